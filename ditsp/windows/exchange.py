@@ -1,0 +1,62 @@
+"""Plan A: move activation rows from one window plan to another.
+
+Each rank packs its rows grouped by destination (each group already in the
+destination's local order), one variable-split ``all_to_all_single`` moves
+them, and the receiver restores its local order with one gather by the
+precomputed permutation. Whether any row crosses ranks is read off the
+global count matrix, so all ranks take the same branch; a rank that sends
+and receives nothing still joins the collective. When ownership does not
+change (always at SP=1) the change is a local permutation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..dist.comm import Comm
+from .planner import Transition
+
+
+@dataclass(frozen=True)
+class RankIndices:
+    """One rank's share of a transition, as torch index tensors (built once, cached)."""
+
+    send_index: torch.Tensor  # src-local rows, in send order
+    recv_order: torch.Tensor  # received rows -> dst-local order
+    input_splits: list[int]  # row r of the count matrix
+    output_splits: list[int]  # column r of the count matrix
+    local_perm: torch.Tensor | None  # src-local -> dst-local rows when nothing crosses ranks
+
+
+def rank_indices(t: Transition, rank: int, device: torch.device | str = "cpu") -> RankIndices:
+    """Index tensors of ``rank`` for transition ``t``, cached with the transition."""
+    key = ("torch", rank, str(device))
+    if key in t._index:
+        return t._index[key]
+    send = torch.from_numpy(t.send_index(rank)).to(device)
+    recv = torch.from_numpy(t.recv_order(rank)).to(device)
+    local = None if t.exchange_required else send[recv]
+    idx = RankIndices(
+        send_index=send,
+        recv_order=recv,
+        input_splits=[int(v) for v in t.counts[rank]],
+        output_splits=[int(v) for v in t.counts[:, rank]],
+        local_perm=local,
+    )
+    t._index[key] = idx
+    return idx
+
+
+def exchange(x: torch.Tensor, t: Transition, comm: Comm) -> torch.Tensor:
+    """Rows of ``x`` (this rank's src-local activations) -> this rank's dst-local rows."""
+    idx = rank_indices(t, comm.rank, x.device)
+    if x.shape[0] != sum(idx.input_splits):
+        raise ValueError(f"rank {comm.rank} holds {x.shape[0]} rows; the plan says {sum(idx.input_splits)}")
+    if idx.local_perm is not None:  # same ownership: no collective on any rank
+        return x.index_select(0, idx.local_perm)
+    received = comm.all_to_all_single(
+        x.index_select(0, idx.send_index), idx.input_splits, idx.output_splits, kind="window_exchange"
+    )
+    return received.index_select(0, idx.recv_order)

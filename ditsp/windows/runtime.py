@@ -1,0 +1,130 @@
+"""Per-request window-aligned SP runtime: the only thing a window model talks to.
+
+It owns the layer schedule and its plans, the entry distribution (each rank
+keeps only its own rows from the patch embedding on), the layout changes
+between layers, the text reduction and the final gather. With one rank it
+runs the same code with local permutations and no collectives, which is how
+the single-device model runs.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..dist.agree import agree
+from ..dist.comm import Comm
+from .exchange import exchange
+from .geometry import canonical_method, short_name
+from .planner import Plan
+from .schedule import SchedulePlan, plan_schedule
+
+
+class WindowRuntime:
+    """Window-aligned SP for one request (grid) on one SP group."""
+
+    def __init__(
+        self,
+        grid: Sequence[int],
+        layer_methods: Sequence[str],
+        comm: Comm,
+        planner: str = "lpt",
+        num_windows: Sequence[int] = (4, 3, 3),
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.comm = comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.dtype = dtype
+        methods = [canonical_method(m) for m in layer_methods]
+        # Every rank must plan the same request, or the collectives below diverge and hang.
+        agree(
+            comm,
+            "the window-SP request (grid, schedule, windows, planner, dtype, world size)",
+            {
+                "grid": [int(v) for v in grid],
+                "schedule": [short_name(m) for m in methods],
+                "num_windows": [int(v) for v in num_windows],
+                "planner": planner,
+                "dtype": str(dtype),
+                "world_size": comm.world_size,
+            },
+        )
+        self.schedule: SchedulePlan = plan_schedule(grid, methods, comm.world_size, planner, num_windows)
+        self.current: str | None = None
+
+    @classmethod
+    def single(cls, grid, layer_methods, num_windows=(4, 3, 3), dtype=torch.float32, planner="lpt") -> "WindowRuntime":
+        """One rank, no process group: the single-device path."""
+        return cls(grid, layer_methods, Comm.single(), planner, num_windows, dtype)
+
+    # -- layout facts --------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.schedule.layer_methods)
+
+    def plan(self, layer: int) -> Plan:
+        return self.schedule.layer_plan(layer)
+
+    def local_window_shapes(self, layer: int) -> list[tuple[int, int, int]]:
+        plan = self.plan(layer)
+        return [plan.layout.window_shape(i) for i in plan.rank_windows[self.rank]]
+
+    def local_token_ids(self, layer: int) -> torch.Tensor:
+        """Canonical ids of this rank's rows in ``layer``'s layout, in local order."""
+        return torch.from_numpy(self.plan(layer).rank_token_ids(self.rank))
+
+    def num_windows(self, layer: int) -> int:
+        return len(self.plan(layer).layout)
+
+    def num_local_rows(self, layer: int) -> int:
+        return int(self.plan(layer).rank_tokens[self.rank])
+
+    # -- data movement ---------------------------------------------------------
+
+    def scatter(self, x_canonical: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """This rank's rows of canonical ``(N, C)`` rows for ``layer``'s layout (no communication)."""
+        if x_canonical.shape[0] != self.schedule.num_tokens:
+            raise ValueError(f"expected {self.schedule.num_tokens} canonical rows, got {x_canonical.shape[0]}")
+        self.current = self.schedule.layer_methods[layer]
+        return x_canonical.index_select(0, self.local_token_ids(layer).to(x_canonical.device))
+
+    def ensure_layout(self, x: torch.Tensor, current: str, required: str) -> torch.Tensor:
+        """Re-shard ``x`` from layout ``current`` to ``required`` (identity when equal)."""
+        current, required = canonical_method(current), canonical_method(required)
+        if current != required:
+            x = exchange(x, self.schedule.transition_between(current, required), self.comm)
+        self.current = required
+        return x
+
+    def enter_layer(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """Make ``x`` hold ``layer``'s layout, whatever the schedule did before."""
+        if self.current is None:
+            raise RuntimeError("scatter() the input before entering a layer")
+        return self.ensure_layout(x, self.current, self.schedule.layer_methods[layer])
+
+    def reduce_text(self, txt_sum: torch.Tensor, layer: int) -> torch.Tensor:
+        """Plain mean over all windows of ``layer``: local sum -> SUM all-reduce -> / window count.
+
+        A rank with no window passes zeros of the same shape and dtype.
+        """
+        if txt_sum.dtype != self.dtype:
+            raise TypeError(f"text reduction in {txt_sum.dtype}, but the runtime agreed on {self.dtype}")
+        total = self.comm.all_reduce(txt_sum.contiguous(), kind="text_all_reduce")
+        return total / self.num_windows(layer)
+
+    def gather(self, y_local: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows back to canonical order, on every rank."""
+        plan = self.schedule.plans[self.current]
+        rows = [int(v) for v in plan.rank_tokens]
+        parts = self.comm.all_gather_rows(y_local, rows, kind="output_gather")
+        out = y_local.new_empty((self.schedule.num_tokens,) + tuple(y_local.shape[1:]))
+        for r, part in enumerate(parts):
+            out[torch.from_numpy(plan.rank_token_ids(r)).to(out.device)] = part
+        return out
+
+    def report(self, heads: int | None = None) -> str:
+        """Names the execution path, e.g. for a run report."""
+        heads_txt = f", {heads} heads on every rank" if heads else ""
+        return f"window-aligned Plan A, planner {self.schedule.planner}, SP={self.world_size}{heads_txt}"
