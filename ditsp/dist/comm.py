@@ -1,0 +1,150 @@
+"""Counted collectives on an explicit process group.
+
+Every parallel path talks to the network through a :class:`Comm`: it holds
+the SP group handle (never an implicit WORLD) and counts, per kind of
+collective, the calls and the bytes this rank sent to and received from
+other ranks (a rank's own segment is not traffic). The counts are exact and
+deterministic, so tests compare them with planned figures.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class KindStats:
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+
+
+@dataclass
+class CommStats:
+    """Per-kind counts of one rank's collectives."""
+
+    kinds: dict = field(default_factory=lambda: defaultdict(KindStats))
+
+    def add(self, kind: str, sent: int, recv: int) -> None:
+        k = self.kinds[kind]
+        k.calls += 1
+        k.bytes_sent += int(sent)
+        k.bytes_recv += int(recv)
+
+    @property
+    def calls(self) -> int:
+        return sum(k.calls for k in self.kinds.values())
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(k.bytes_sent for k in self.kinds.values())
+
+    @property
+    def bytes_recv(self) -> int:
+        return sum(k.bytes_recv for k in self.kinds.values())
+
+    def as_dict(self) -> dict:
+        return {
+            name: {"calls": k.calls, "bytes_sent": k.bytes_sent, "bytes_recv": k.bytes_recv}
+            for name, k in sorted(self.kinds.items())
+        }
+
+    def reset(self) -> None:
+        self.kinds.clear()
+
+
+def _nbytes_rows(t: torch.Tensor, rows: int) -> int:
+    return rows * math.prod(t.shape[1:]) * t.element_size()
+
+
+class Comm:
+    """An SP process group plus counters. ``group`` must be given explicitly."""
+
+    def __init__(self, group: dist.ProcessGroup | None, stats: CommStats | None = None):
+        if group is None:
+            if dist.is_initialized():
+                raise ValueError("Comm needs an explicit process group (pass the SP group, not None)")
+            self.rank, self.world_size = 0, 1
+        else:
+            self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.group = group
+        self.stats = stats or CommStats()
+
+    @classmethod
+    def single(cls) -> "Comm":
+        """A one-rank Comm without a process group (single device)."""
+        obj = cls.__new__(cls)
+        obj.group, obj.rank, obj.world_size, obj.stats = None, 0, 1, CommStats()
+        return obj
+
+    # -- collectives ---------------------------------------------------------
+
+    def all_to_all_single(
+        self,
+        inp: torch.Tensor,
+        input_splits: Sequence[int],
+        output_splits: Sequence[int],
+        kind: str = "all_to_all",
+    ) -> torch.Tensor:
+        """Variable-split all-to-all along dim 0; splits are row counts per peer."""
+        input_splits = [int(s) for s in input_splits]
+        output_splits = [int(s) for s in output_splits]
+        out = inp.new_empty((sum(output_splits),) + tuple(inp.shape[1:]))
+        if self.world_size == 1:
+            out.copy_(inp)
+        else:
+            dist.all_to_all_single(out, inp.contiguous(), output_splits, input_splits, group=self.group)
+        sent = sum(input_splits) - input_splits[self.rank]
+        recv = sum(output_splits) - output_splits[self.rank]
+        self.stats.add(kind, _nbytes_rows(inp, sent), _nbytes_rows(inp, recv))
+        return out
+
+    def all_reduce(self, t: torch.Tensor, kind: str = "all_reduce") -> torch.Tensor:
+        """In-place SUM all-reduce. Counted as the payload, sent and received once."""
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+            self.stats.add(kind, t.numel() * t.element_size(), t.numel() * t.element_size())
+        return t
+
+    def all_gather_rows(self, t: torch.Tensor, rows: Sequence[int], kind: str = "all_gather") -> list[torch.Tensor]:
+        """Gather tensors of ``rows[r]`` rows from every rank (uneven sizes allowed)."""
+        rows = [int(r) for r in rows]
+        if t.shape[0] != rows[self.rank]:
+            raise ValueError(f"rank {self.rank} holds {t.shape[0]} rows, expected {rows[self.rank]}")
+        if self.world_size == 1:
+            return [t]
+        # Pad to the largest share so a plain all_gather serves uneven shares.
+        width = max(rows)
+        padded = t.new_zeros((width,) + tuple(t.shape[1:]))
+        padded[: t.shape[0]] = t
+        outs = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(outs, padded, group=self.group)
+        others = sum(rows) - rows[self.rank]
+        self.stats.add(kind, _nbytes_rows(t, rows[self.rank] * (self.world_size - 1)), _nbytes_rows(t, others))
+        return [o[:n] for o, n in zip(outs, rows)]
+
+    def all_gather_object(self, obj) -> list:
+        """Small Python objects from every rank (agreement checks)."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        self.stats.add("all_gather_object", 0, 0)
+        return out
+
+    def batch_isend_irecv(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+                          kind: str = "p2p"):
+        """Post sends and receives (peer ranks are group ranks); returns the requests."""
+        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(self.group, p), self.group) for t, p in sends]
+        ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(self.group, p), self.group) for t, p in recvs]
+        reqs = dist.batch_isend_irecv(ops) if ops else []
+        self.stats.add(
+            kind, sum(t.numel() * t.element_size() for t, _ in sends), sum(t.numel() * t.element_size() for t, _ in recvs)
+        )
+        return reqs
