@@ -66,6 +66,22 @@ def cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .runner import RunSpec, format_run, run
+
+    grid, notes = resolve_grid(args, parser)
+    spec = RunSpec(model=args.model, grid=grid, sp=args.sp, layers=args.layers, checkpoint=args.checkpoint,
+                   dtype=args.dtype, planner=args.planner, path=args.path, seed=args.seed,
+                   warmup=args.warmup, repeats=args.repeats)
+    summary = run(spec, check=args.check, threads=args.threads, timeout_s=args.timeout)
+    summary["notes"] = notes
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print("\n".join([*(f"note: {n}" for n in notes), format_run(summary)]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ditsp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +96,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compact", action="store_true", help="JSON on one line")
     p.add_argument("--plot", metavar="FILE.png", help="write a picture of the plan")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("run", help="run one NaDiT forward under SP (local ranks or a torchrun job)")
+    add_request_args(p)
+    p.add_argument("--sp", type=int, required=True, help="sequence-parallel degree (ranks)")
+    p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int, help="override the model's layer count")
+    p.add_argument("--checkpoint", help=".pth or .safetensors with the reference key names (else seeded weights)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--planner", default="lpt", help="window planner")
+    p.add_argument("--path", default="window", choices=["window", "ulysses"],
+                   help="window-aligned SP, or the reference's Ulysses all-to-alls around window attention")
+    p.add_argument("--check", action="store_true", help="also run single-device and print the parity error")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=0, help="forwards before the timed ones")
+    p.add_argument("--repeats", type=int, default=1, help="timed forwards (the report shows the fastest)")
+    p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before a stuck run is ended")
+    p.set_defaults(func=cmd_run)
     return parser
 
 
