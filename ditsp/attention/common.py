@@ -107,7 +107,7 @@ def attn_bwd(q, k, v, lse, delta, dout, scale: float):
     Returns fp32 ``(dq, dk, dv)``; dk/dv sum over the query heads of each group.
     """
     h, hk, sq, sk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
-    kf, vf = k.float(), v.float()
+    kf, vf, lse, delta = k.float(), v.float(), lse.float(), delta.float()
     dq = torch.empty(q.shape, dtype=torch.float32)
     dk = torch.zeros(k.shape, dtype=torch.float32)
     dv = torch.zeros(v.shape, dtype=torch.float32)
