@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -36,11 +37,45 @@ class RunSpec:
     repeats: int = 1
 
 
-def peak_bytes_now(device: torch.device) -> int:
-    """High-water mark of this process's memory: the CUDA allocator's, else the RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+class PeakMemory:
+    """Peak memory a region of code adds: the CUDA allocator's peak, else the RSS high-water mark.
+
+    On Linux the RSS peak (VmHWM) is reset at the start, so each measured
+    region is independent of what the process did before.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+        except OSError:
+            pass
+        self.base = _status_kib("VmRSS") * 1024
+
+    def peak_added(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.base
+        hwm = _status_kib("VmHWM") * 1024 or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return max(0, hwm - self.base)
+
+
+def _status_kib(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def build_for(spec: RunSpec, device: torch.device | str = "cpu"):
@@ -70,13 +105,11 @@ def rank_forward(ctx: RankContext, spec: RunSpec, return_output: bool = True) ->
     model, vid, txt = build_for(spec, ctx.device)
     group = ctx.group if ctx.world_size > 1 else None
     rt = make_runtime(model, spec, group)
-    times = []
+    times, memory = [], PeakMemory(ctx.device)
     for i in range(spec.warmup + spec.repeats):
+        rt.comm.stats.reset()  # the report shows one forward's collectives (all are alike)
         if i == spec.warmup:
-            rt.comm.stats.reset()
-            if ctx.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(ctx.device)
-            base = peak_bytes_now(ctx.device) if ctx.device.type == "cuda" else _rss_now()
+            memory.start()
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         t0 = time.perf_counter()
@@ -90,20 +123,14 @@ def rank_forward(ctx: RankContext, spec: RunSpec, return_output: bool = True) ->
     return {
         "rank": ctx.rank,
         "times_s": times,
-        "peak_bytes": max(0, peak_bytes_now(ctx.device) - base),
-        "bytes_sent": stats.bytes_sent // max(1, spec.repeats),
-        "bytes_recv": stats.bytes_recv // max(1, spec.repeats),
-        "calls": stats.calls // max(1, spec.repeats),
+        "peak_bytes": memory.peak_added(),
+        "bytes_sent": stats.bytes_sent,
+        "bytes_recv": stats.bytes_recv,
+        "calls": stats.calls,
         "collectives": stats.as_dict(),
         "report": rt.report(heads=model.cfg.heads),
         "output": out.float().cpu() if return_output and ctx.rank == 0 else None,
     }
-
-
-def _rss_now() -> int:
-    """Current resident memory (the growth of the high-water mark is what a forward adds)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def run(spec: RunSpec, check: bool = False, threads: int = 1, timeout_s: float = 3600.0,
@@ -135,6 +162,7 @@ def summarize(spec: RunSpec, results: list[dict], check: bool, threads: int) -> 
         "world_size": spec.sp,
         "path": results[0]["report"],
         "rank_time_s": [min(r["times_s"]) for r in results],
+        "rank_median_s": [statistics.median(r["times_s"]) for r in results],
         "rank_peak_bytes": [r["peak_bytes"] for r in results],
         "bytes_moved": sum(r["bytes_sent"] for r in results),
         "rank_bytes_sent": [r["bytes_sent"] for r in results],
