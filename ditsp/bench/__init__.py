@@ -1,0 +1,15 @@
+"""`ditsp bench ...`: side-by-side benchmarks on local ranks."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Add the ``bench`` command group to the top-level subparsers ``sub``."""
+    from . import attention
+
+    p = sub.add_parser("bench", help="benchmark SP paths side by side on local ranks")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    attention.add_parser(bsub)
+    return p

@@ -1,0 +1,149 @@
+"""`ditsp bench attention`: Ulysses, Ring, USP and AllGather-KV side by side in one process group.
+
+Every strategy runs on the same spawned ranks and the same local shards;
+iterations interleave the strategies (round robin) so machine drift hits all
+alike. A call's time is the slowest rank's (ranks start together after a
+barrier); the table shows the median over the timed iterations. Bytes and
+calls are one call's counted collectives on the busiest rank (lengths passed
+in, so no length gather).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from ..attention.common import even_splits
+from ..attention.usp import AllGatherKV, Ring, SPAttention, Ulysses
+from ..config import ParallelConfig, build_sp_groups
+from ..dist.comm import Comm
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def strategies_for(sp: int) -> list[tuple[str, int, int]]:
+    """(name, ulysses degree, ring degree) for every strategy that fits ``sp`` ranks."""
+    out = [("ulysses", sp, 1), ("ring", 1, sp), ("allgather", 1, sp)]
+    square = [d for d in range(2, sp) if sp % d == 0 and d * d <= sp]  # the most balanced 2D mesh
+    if square:
+        u = square[-1]
+        out += [("usp-ring", u, sp // u), ("usp-allgather", u, sp // u)]
+    return out
+
+
+def _build(ctx, name, u, r):
+    if name == "ulysses":
+        return Ulysses(ctx.group)
+    if name == "ring":
+        return Ring(ctx.group)
+    if name == "allgather":
+        return AllGatherKV(ctx.group)
+    cfg = ParallelConfig(ulysses_degree=u, ring_degree=r, use_allgather=name.endswith("allgather"), advanced_uaa=True)
+    return SPAttention.from_config(cfg, build_sp_groups(cfg, ctx.group))
+
+
+def rank_bench(ctx, cfg: dict) -> dict:
+    torch.manual_seed(ctx.rank)
+    lens = even_splits(cfg["seq"], ctx.world_size)
+    n, T, dt = lens[ctx.rank] + cfg["text"], cfg["text"], DTYPES[cfg["dtype"]]
+    shape = (cfg["batch"], n, cfg["heads"], cfg["head_dim"])
+    kv_shape = shape[:2] + (cfg["kv_heads"], cfg["head_dim"])
+    q, k, v = (torch.randn(s, dtype=dt, requires_grad=cfg["backward"]) for s in (shape, kv_shape, kv_shape))
+    sync = Comm(ctx.group)  # barrier only; not reported
+    names = [tuple(s) for s in cfg["strategies"]]
+    attns = {s[0]: _build(ctx, *s) for s in names}
+    times = {s[0]: [] for s in names}
+    stats = {}
+
+    def call(a):
+        out = a(q, k, v, text_len=T, seq_lens=lens)
+        if cfg["backward"]:
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    for it in range(cfg["warmup"] + cfg["iters"]):
+        for name, a in attns.items():
+            sync.all_reduce(torch.zeros(1))
+            a.stats.reset()
+            t0 = time.perf_counter()
+            call(a)
+            dt_s = time.perf_counter() - t0
+            if it >= cfg["warmup"]:
+                times[name].append(dt_s)
+            stats[name] = (a.stats.bytes_sent, a.stats.bytes_recv, a.stats.calls)
+    return {"times": times, "stats": stats}
+
+
+def run_bench(cfg: dict, timeout_s: float = 1800.0) -> list[dict]:
+    from ..dist.launcher import LocalCluster
+
+    with LocalCluster(cfg["sp"], timeout_s=timeout_s, threads=cfg["threads"]) as cluster:
+        res = cluster.run(rank_bench, cfg)
+    rows = []
+    for name, u, r in cfg["strategies"]:
+        per_iter = [max(rk["times"][name][i] for rk in res) for i in range(cfg["iters"])]
+        sent, recv, calls = (max(rk["stats"][name][j] for rk in res) for j in range(3))
+        rows.append({"strategy": name, "mesh": f"{u}x{r}", "ms": 1e3 * statistics.median(per_iter),
+                     "sent_mib": sent / 2**20, "recv_mib": recv / 2**20, "calls": calls})
+    base = next((row["ms"] for row in rows if row["strategy"] == "ulysses"), rows[0]["ms"])
+    for row in rows:
+        row["ratio"] = row["ms"] / base
+    return rows
+
+
+def format_table(rows: list[dict], cfg: dict) -> str:
+    what = "forward+backward" if cfg["backward"] else "forward"
+    head = (f"attention {what}: sp={cfg['sp']} seq={cfg['seq']} text={cfg['text']} batch={cfg['batch']} "
+            f"heads={cfg['heads']} kv_heads={cfg['kv_heads']} head_dim={cfg['head_dim']} {cfg['dtype']}, "
+            f"median of {cfg['iters']} after {cfg['warmup']} warm-up, {cfg['threads']} thread(s)/rank")
+    lines = [head, f"{'strategy':<14} {'UxR':>5} {'ms/call':>9} {'vs ulysses':>10} {'MiB sent':>9} {'MiB recv':>9} {'calls':>6}"]
+    for r in rows:
+        lines.append(f"{r['strategy']:<14} {r['mesh']:>5} {r['ms']:>9.1f} {r['ratio']:>9.2f}x "
+                     f"{r['sent_mib']:>9.2f} {r['recv_mib']:>9.2f} {r['calls']:>6}")
+    lines.append("bytes and calls: one call, per rank (the busiest rank)")
+    return "\n".join(lines)
+
+
+def cmd_attention(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    if args.sp < 1 or args.seq < 1 or args.heads < 1:
+        (parser.error if parser else ValueError)("--sp, --seq and --heads must be >= 1")
+    kv = args.kv_heads or args.heads
+    if args.heads % kv:
+        (parser.error if parser else ValueError)(f"--kv-heads {kv} must divide --heads {args.heads}")
+    strategies = strategies_for(args.sp)
+    if args.strategies:
+        wanted = args.strategies.split(",")
+        strategies = [s for s in strategies if s[0] in wanted]
+    cfg = {"sp": args.sp, "seq": args.seq, "heads": args.heads, "kv_heads": kv, "head_dim": args.head_dim,
+           "batch": args.batch, "text": args.text, "dtype": args.dtype, "backward": args.backward,
+           "warmup": args.warmup, "iters": args.iters, "threads": args.threads, "strategies": strategies}
+    print(format_table(run_bench(cfg), cfg))
+    return 0
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("attention", help="global-attention SP strategies side by side (time, bytes, calls)")
+    p.add_argument("--sp", type=int, required=True, help="ranks (local gloo processes)")
+    p.add_argument("--seq", type=int, required=True, help="video tokens (whole sequence)")
+    p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--kv-heads", type=int, help="K/V heads (GQA); default: --heads")
+    p.add_argument("--text", type=int, default=0, help="replicated joint text tokens")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--backward", action="store_true", help="time forward + backward")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
+    p.add_argument("--strategies", help="comma-separated subset (ulysses,ring,allgather,usp-ring,usp-allgather)")
+    p.set_defaults(func=cmd_attention)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ditsp bench")
+    add_parser(parser.add_subparsers(dest="bench", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args, parser)
