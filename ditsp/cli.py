@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before a stuck run is ended")
     p.set_defaults(func=cmd_run)
+
+    from .bench import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
