@@ -1,0 +1,136 @@
+"""Window attention over [video window, replicated text] segments.
+
+Every window attends to its own video tokens plus all text tokens; the text
+is replicated into each window, so each window also yields one text output.
+This module returns the video output rows (local order kept) and the *sum* of
+the per-window text outputs: the caller's runtime turns that sum into the
+reference's plain mean over all windows (across ranks).
+
+Two paths, same maths:
+- ``varlen``: one packed flash-attn varlen call with ``cu_seqlens`` (CUDA,
+  flash-attn installed).
+- ``sdpa``: windows grouped by shape, one batched SDPA call per group (the
+  portable path; a layout has only a few distinct window shapes).
+
+RoPE is applied here, per window shape, because positions are window-local:
+``rope(x, shape)`` rotates ``x`` (n, prod(shape), H, D), n windows of ``shape``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional packed-varlen backend
+    from flash_attn import flash_attn_varlen_func  # type: ignore
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    flash_attn_varlen_func = None
+
+RopeFn = Callable[[torch.Tensor, tuple[int, int, int]], torch.Tensor]
+
+
+@dataclass(frozen=True, eq=False)
+class WindowPack:
+    """Local windows (back to back, row-major) grouped by shape: (shape, row index, count)."""
+
+    shapes: tuple[tuple[int, int, int], ...]
+    lengths: tuple[int, ...]
+    groups: tuple[tuple[tuple[int, int, int], torch.Tensor, int], ...]
+
+    @classmethod
+    def build(cls, shapes: Sequence[Sequence[int]], device="cpu") -> "WindowPack":
+        shapes = tuple(tuple(int(v) for v in s) for s in shapes)
+        lengths = tuple(s[0] * s[1] * s[2] for s in shapes)
+        starts, acc = [], 0
+        for n in lengths:
+            starts.append(acc)
+            acc += n
+        by_shape: dict = {}
+        for s, a, n in zip(shapes, starts, lengths):
+            by_shape.setdefault(s, []).append(torch.arange(a, a + n))
+        groups = tuple((s, torch.cat(rows).to(device), len(rows)) for s, rows in by_shape.items())
+        return cls(shapes, lengths, groups)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.lengths)
+
+
+def backend_for(x: torch.Tensor) -> str:
+    """``varlen`` when flash-attn can run on ``x`` (CUDA, half precision), else ``sdpa``."""
+    if flash_attn_varlen_func is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        return "varlen"
+    return "sdpa"
+
+
+def window_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    tq: torch.Tensor | None, tk: torch.Tensor, tv: torch.Tensor,
+    pack: WindowPack, rope: RopeFn | None = None, backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Video q/k/v (N, H, D) in local window order, text q/k/v (L, H, D) already roped.
+
+    Returns the video output (N, H, D) and the fp32 sum over windows of the text
+    output (L, H, D); ``tq=None`` skips text queries (the last block discards them)
+    and returns ``None`` for the text.
+    """
+    backend = backend or backend_for(q)
+    fn = _varlen if backend == "varlen" else _grouped_sdpa
+    return fn(q, k, v, tq, tk, tv, pack, rope)
+
+
+def _grouped_sdpa(q, k, v, tq, tk, tv, pack, rope):
+    n_rows, heads, dim = q.shape
+    L = tk.shape[0]
+    out = q.new_empty(q.shape)
+    txt = torch.zeros(L, heads, dim, dtype=torch.float32, device=q.device) if tq is not None else None
+    for shape, idx, n in pack.groups:
+        l = idx.numel() // n
+        qg, kg, vg = (t.index_select(0, idx).view(n, l, heads, dim) for t in (q, k, v))
+        if rope is not None:
+            qg, kg = rope(qg, shape), rope(kg, shape)
+        kg = torch.cat([kg, tk.expand(n, L, heads, dim)], 1)
+        vg = torch.cat([vg, tv.expand(n, L, heads, dim)], 1)
+        if tq is not None:
+            qg = torch.cat([qg, tq.expand(n, L, heads, dim)], 1)
+        o = F.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2))
+        o = o.transpose(1, 2)  # (n, l[+L], H, D)
+        out.index_copy_(0, idx, o[:, :l].reshape(n * l, heads, dim))
+        if txt is not None:
+            txt += o[:, l:].float().sum(0)
+    return out, txt
+
+
+def _varlen(q, k, v, tq, tk, tv, pack, rope):
+    """One packed flash-attn call; segments are [window video, text] back to back."""
+    n_rows, heads, dim = q.shape
+    L, dev = tk.shape[0], q.device
+    if rope is not None:  # rotate video q/k per window shape (positions are window-local)
+        q, k = q.clone(), k.clone()
+        for shape, idx, n in pack.groups:
+            for t in (q, k):
+                t.index_copy_(0, idx, rope(t.index_select(0, idx).view(n, -1, heads, dim), shape).flatten(0, 1))
+    lens = torch.tensor(pack.lengths, device=dev)
+    kv_lens = lens + L
+    # Packed row -> source row in cat([video, text]).
+    seg = torch.repeat_interleave(torch.arange(len(lens), device=dev), kv_lens)
+    start = torch.cumsum(kv_lens, 0) - kv_lens
+    pos = torch.arange(int(kv_lens.sum()), device=dev) - start[seg]
+    vid_start = torch.cumsum(lens, 0) - lens
+    is_vid = pos < lens[seg]
+    src = torch.where(is_vid, vid_start[seg] + pos, n_rows + pos - lens[seg])
+    cu_k = F.pad(torch.cumsum(kv_lens, 0), (1, 0)).to(torch.int32)
+    kp, vp = torch.cat([k, tk]).index_select(0, src), torch.cat([v, tv]).index_select(0, src)
+    if tq is not None:
+        qp, cu_q, q_lens = torch.cat([q, tq]).index_select(0, src), cu_k, kv_lens
+    else:  # video queries only
+        qp, cu_q, q_lens = q, F.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32), lens
+    o = flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, int(q_lens.max()), int(kv_lens.max()), causal=False)
+    if tq is None:
+        return o, None
+    out = o[is_vid]
+    txt = o[~is_vid].view(len(lens), L, heads, dim).float().sum(0)
+    return out, txt

@@ -1,0 +1,160 @@
+"""The NaDiT 3B block (``mmdit_sr``): MM window attention, SwiGLU, AdaSingle.
+
+Structure and quirks follow seedvr2-facts §4:
+- every sub-module exists per stream (``vid``/``txt``) below ``mm_layers`` and
+  as one shared ``all`` set above it;
+- AdaSingle reads the time embedding in the stride-6 interleaved layout
+  ``emb[6c + 3l + g]`` (l: attn/mlp, g: shift/scale/gate); the +1 of the
+  scale lives inside the learned parameter, so there is no implicit +1;
+- the last block leaves text unmodulated, skips the text MLP, and never
+  needs text queries (its text output is discarded).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...attention.window import WindowPack, window_attention
+from .config import NaDiTConfig
+from .rope import MMRope3d
+
+ATTN, MLP = 0, 1  # AdaSingle layer slots
+SHIFT, SCALE, GATE = 0, 1, 2
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, accumulated in fp32 (as apex FusedRMSNorm)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+def emb_slots(emb: torch.Tensor) -> torch.Tensor:
+    """(6D,) time embedding -> (D, 2, 3) = (channel, attn|mlp, shift|scale|gate)."""
+    return emb.view(-1, 2, 3)
+
+
+class MM(nn.ModuleDict):
+    """Per-stream modules: ``vid`` + ``txt``, or one ``all`` set when shared.
+
+    ``vid_only`` drops the text module (the reference's last block, for ada and mlp)."""
+
+    def __init__(self, make, shared: bool, vid_only: bool = False):
+        names = ["all"] if shared else (["vid"] if vid_only else ["vid", "txt"])
+        super().__init__({n: make() for n in names})
+        self.shared = shared
+
+    def get(self, branch: str) -> nn.Module:
+        return self["all"] if self.shared else self[branch]
+
+
+class HeadNorm(nn.Module):
+    """Per-head RMSNorm weight (head_dim,): the reference's qk ``fusedrms``."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class AdaSingle(nn.Module):
+    """Learned shift/scale/gate per layer, added to the shared time embedding."""
+
+    def __init__(self, dim: int, layers=("attn", "mlp")):
+        super().__init__()
+        self.layers = tuple(layers)
+        for name in self.layers:
+            self.register_parameter(f"{name}_shift", nn.Parameter(torch.zeros(dim)))
+            self.register_parameter(f"{name}_scale", nn.Parameter(torch.ones(dim)))
+            self.register_parameter(f"{name}_gate", nn.Parameter(torch.zeros(dim)))
+
+    def mod_in(self, x: torch.Tensor, e: torch.Tensor, slot: int) -> torch.Tensor:
+        name = self.layers[slot]
+        scale = getattr(self, f"{name}_scale") + e[:, slot, SCALE]
+        shift = getattr(self, f"{name}_shift") + e[:, slot, SHIFT]
+        return x * scale + shift
+
+    def mod_out(self, x: torch.Tensor, e: torch.Tensor, slot: int) -> torch.Tensor:
+        return x * (getattr(self, f"{self.layers[slot]}_gate") + e[:, slot, GATE])
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.proj_in_gate = nn.Linear(dim, hidden, bias=False)
+        self.proj_in = nn.Linear(dim, hidden, bias=False)
+        self.proj_out = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj_out(F.silu(self.proj_in_gate(x)) * self.proj_in(x))
+
+
+class WindowMMAttention(nn.Module):
+    """Window attention of [video window, replicated text]; all heads stay on this rank."""
+
+    def __init__(self, cfg: NaDiTConfig, shared: bool):
+        super().__init__()
+        d, inner = cfg.vid_dim, cfg.heads * cfg.head_dim
+        self.heads, self.head_dim, self.eps = cfg.heads, cfg.head_dim, cfg.norm_eps
+        self.proj_qkv = MM(lambda: nn.Linear(d, 3 * inner, bias=False), shared)
+        self.proj_out = MM(lambda: nn.Linear(inner, d, bias=True), shared)
+        self.norm_q = MM(lambda: HeadNorm(cfg.head_dim), shared)
+        self.norm_k = MM(lambda: HeadNorm(cfg.head_dim), shared)
+        self.rope = MMRope3d(cfg.rope_dim, cfg.rope_theta)
+
+    def _qkv(self, x: torch.Tensor, branch: str):
+        q, k, v = self.proj_qkv.get(branch)(x).view(x.shape[0], 3, self.heads, self.head_dim).unbind(1)
+        q = rms_norm(q, self.norm_q.get(branch).weight, self.eps)
+        k = rms_norm(k, self.norm_k.get(branch).weight, self.eps)
+        return q, k, v
+
+    def forward(self, vid, txt, pack: WindowPack, runtime, layer: int, txt_out: bool = True):
+        """vid (N, D) local rows, txt (L, D) -> (vid out, text out or None)."""
+        q, k, v = self._qkv(vid, "vid")
+        tq, tk, tv = self._qkv(txt, "txt")
+        tq, tk = self.rope.text(tq), self.rope.text(tk)
+        L = txt.shape[0]
+        # Local window attention; a runtime that owns attention (the Ulysses baseline) provides ``attend``.
+        attend = getattr(runtime, "attend", window_attention)
+        out, tsum = attend(q, k, v, tq if txt_out else None, tk, tv, pack, lambda x, shape: self.rope.video(x, shape, L))
+        vid = self.proj_out.get("vid")(out.flatten(1))
+        if not txt_out:
+            return vid, None
+        # Plain mean over all windows (the runtime sums across ranks), then proj_out.
+        tmean = runtime.reduce_text(tsum.to(runtime.dtype), layer).to(txt.dtype)
+        return vid, self.proj_out.get("txt")(tmean.flatten(1))
+
+
+class NaMMSRBlock(nn.Module):
+    """One ``mmdit_sr`` block; ``last`` reproduces the reference's vid-only tail."""
+
+    def __init__(self, cfg: NaDiTConfig, index: int):
+        super().__init__()
+        shared = index >= cfg.mm_layers
+        self.last = index == cfg.num_layers - 1
+        self.eps = cfg.norm_eps
+        self.attn = WindowMMAttention(cfg, shared)
+        self.mlp = MM(lambda: SwiGLU(cfg.vid_dim, cfg.mlp_hidden), shared, vid_only=self.last)
+        self.ada = MM(lambda: AdaSingle(cfg.vid_dim), shared, vid_only=self.last)
+
+    def forward(self, vid, txt, emb, pack: WindowPack, runtime, layer: int):
+        e = emb_slots(emb)
+        ada_v = self.ada.get("vid")
+        a = ada_v.mod_in(rms_norm(vid, None, self.eps), e, ATTN)
+        at = rms_norm(txt, None, self.eps)
+        if not self.last:
+            at = self.ada.get("txt").mod_in(at, e, ATTN)
+        a, at = self.attn(a, at, pack, runtime, layer, txt_out=not self.last)
+        vid = vid + ada_v.mod_out(a, e, ATTN)
+        m = ada_v.mod_in(rms_norm(vid, None, self.eps), e, MLP)
+        vid = vid + ada_v.mod_out(self.mlp.get("vid")(m), e, MLP)
+        if self.last:  # text output discarded by the reference: leave it as it came in
+            return vid, txt
+        ada_t = self.ada.get("txt")
+        txt = txt + ada_t.mod_out(at, e, ATTN)
+        m = ada_t.mod_in(rms_norm(txt, None, self.eps), e, MLP)
+        txt = txt + ada_t.mod_out(self.mlp.get("txt")(m), e, MLP)
+        return vid, txt

@@ -1,0 +1,160 @@
+"""Strict NaDiT checkpoint loading (reference ``.pth`` or ``.safetensors``).
+
+The only rename is the RoPE buffer suffix ``.rope.rope.freqs`` ->
+``.rope.freqs`` (the reference nests a RotaryEmbedding inside its RoPE
+module). Anything else that does not match the model exactly -- missing,
+unexpected, mis-shaped keys, or two source keys landing on one target -- fails
+with the full list, so a wrong checkpoint never reaches inference. Loading a
+model with fewer blocks than the checkpoint is a development fixture that
+needs ``allow_truncated=True``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from .rope import MMRope3d, rope_freqs
+
+REF_SUFFIX, PORT_SUFFIX = ".rope.rope.freqs", ".rope.freqs"
+_BLOCK = re.compile(r"^blocks\.(\d+)\.")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model; the message lists every problem."""
+
+
+@dataclass
+class LoadReport:
+    path: str
+    loaded: int
+    renamed: int
+    dropped: list[str] = field(default_factory=list)  # keys skipped by allow_truncated
+
+    def __str__(self) -> str:
+        extra = f", {len(self.dropped)} keys of truncated blocks skipped" if self.dropped else ""
+        return f"{self.path}: {self.loaded} tensors loaded strictly ({self.renamed} RoPE keys renamed){extra}"
+
+
+def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Tensors of a ``.safetensors`` file, or of a ``.pth``/``.pt`` (``weights_only``, memory-mapped)."""
+    path = os.fspath(path)
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path, device="cpu")
+    sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CheckpointError(f"{path}: expected a flat state_dict of tensors, got {type(sd).__name__}")
+    return dict(sd)
+
+
+def normalize_keys(sd: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+    """Rename exactly the suffix ``.rope.rope.freqs`` -> ``.rope.freqs``; collisions raise."""
+    out: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}
+    renamed = 0
+    for k, v in sd.items():
+        nk = k[: -len(REF_SUFFIX)] + PORT_SUFFIX if k.endswith(REF_SUFFIX) else k
+        renamed += nk != k
+        if nk in out:
+            raise CheckpointError(f"checkpoint keys {source[nk]!r} and {k!r} both map to {nk!r}")
+        out[nk], source[nk] = v, k
+    return out, renamed
+
+
+def _truncation_drops(keys, num_layers: int, model_keys) -> list[str]:
+    """Keys that a model with ``num_layers`` blocks legitimately lacks: later blocks,
+    and the text branch of the new last block (vid-only ada/mlp)."""
+    last = f"blocks.{num_layers - 1}."
+    return [k for k in keys if k not in model_keys and (
+        ((m := _BLOCK.match(k)) and int(m.group(1)) >= num_layers)
+        or (k.startswith(last) and re.match(rf"^{re.escape(last)}(ada|mlp)\.txt\.", k)))]
+
+
+def _list(title: str, items: list[str], limit: int = 25) -> str:
+    more = f"\n    ... and {len(items) - limit} more" if len(items) > limit else ""
+    return f"  {title} ({len(items)}):\n" + "\n".join(f"    {s}" for s in items[:limit]) + more
+
+
+def check_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor], allow_truncated: bool = False
+                     ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(normalised tensors to load, dropped keys); raises :class:`CheckpointError` listing every mismatch."""
+    sd, _ = normalize_keys(sd)
+    expected = model.state_dict(keep_vars=True)
+    n_layers = len(getattr(model, "blocks", []))
+    ckpt_blocks = 1 + max((int(m.group(1)) for k in sd if (m := _BLOCK.match(k))), default=-1)
+    dropped: list[str] = []
+    if ckpt_blocks > n_layers:
+        if not allow_truncated:
+            raise CheckpointError(
+                f"checkpoint has {ckpt_blocks} blocks but the model has {n_layers}; loading fewer blocks "
+                f"is a development fixture: pass allow_truncated=True")
+        dropped = _truncation_drops(sd, n_layers, expected)
+        sd = {k: v for k, v in sd.items() if k not in set(dropped)}
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    shapes = sorted(f"{k}: checkpoint {tuple(sd[k].shape)}, model {tuple(expected[k].shape)}"
+                    for k in set(sd) & set(expected) if tuple(sd[k].shape) != tuple(expected[k].shape))
+    if missing or unexpected or shapes:
+        parts = [_list(t, v) for t, v in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes)) if v]
+        raise CheckpointError("checkpoint does not match the model:\n" + "\n".join(parts))
+    _check_rope(model, sd)
+    return dict(sd), dropped
+
+
+def _check_rope(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
+    """A RoPE buffer must hold the analytic frequencies (to its dtype's precision)."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, MMRope3d) and f"{name}.freqs" in sd:
+            got = sd[f"{name}.freqs"]
+            want = rope_freqs(mod.rope_dim, mod.theta)
+            tol = torch.finfo(got.dtype).eps if got.dtype.is_floating_point else 0.0
+            if not torch.allclose(got.float().cpu(), want, rtol=tol, atol=0.0):
+                raise CheckpointError(f"{name}.freqs holds {got.flatten()[:3].tolist()}..., not the model's "
+                                      f"RoPE frequencies {want[:3].tolist()}... (rope_dim {mod.rope_dim}, theta {mod.theta})")
+
+
+def load_checkpoint(model: nn.Module, path_or_sd, allow_truncated: bool = False) -> LoadReport:
+    """Strictly load a checkpoint file (or an in-memory state_dict) into ``model``.
+
+    Tensors are cast to the model's dtypes; a model built on the meta device is
+    materialised by assignment. RoPE buffers keep their analytic values.
+    """
+    is_path = isinstance(path_or_sd, (str, os.PathLike))
+    raw = read_state_dict(path_or_sd) if is_path else path_or_sd
+    sd, dropped = check_state_dict(model, raw, allow_truncated)
+    expected = model.state_dict(keep_vars=True)
+    meta = any(t.is_meta for t in expected.values())
+    cast = {}
+    for k, v in sd.items():
+        ref = expected[k]
+        cast[k] = v.to(dtype=ref.dtype, device="cpu" if meta else ref.device)
+    for name, mod in model.named_modules():  # full-precision analytic RoPE, whatever the file stored
+        if isinstance(mod, MMRope3d) and f"{name}.freqs" in cast:
+            cast[f"{name}.freqs"] = rope_freqs(mod.rope_dim, mod.theta).to(cast[f"{name}.freqs"])
+    model.load_state_dict(cast, strict=True, assign=meta)
+    return LoadReport(str(path_or_sd) if is_path else "<state_dict>", len(cast), normalize_keys(raw)[1], dropped)
+
+
+def load_text_embedding(path: str | os.PathLike, txt_in_dim: int | None = None) -> torch.Tensor:
+    """A ``pos_emb.pt``-style text embedding: one (L, txt_in_dim) tensor (bf16 in the release)."""
+    path = os.fspath(path)
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        tensors = load_file(path)
+        if len(tensors) != 1:
+            raise CheckpointError(f"{path}: expected one tensor, found {sorted(tensors)}")
+        emb = next(iter(tensors.values()))
+    else:
+        emb = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(emb, torch.Tensor) or emb.ndim != 2 or (txt_in_dim and emb.shape[1] != txt_in_dim):
+        shape = tuple(emb.shape) if isinstance(emb, torch.Tensor) else type(emb).__name__
+        raise CheckpointError(f"{path}: expected a (L, {txt_in_dim or 'C'}) text embedding, got {shape}")
+    return emb

@@ -1,0 +1,224 @@
+"""NaDiT: the SeedVR2 3B diffusion transformer (reference ``models/dit_v2``), one code path.
+
+The forward always runs through a :class:`WindowRuntime`: a one-rank runtime
+on a single device, the SP group's runtime under window-aligned SP. Each rank
+keeps only its own video rows from the patch embedding to the output
+projection (everything but attention is tokenwise), text is replicated, and
+the runtime re-shards at layout changes, reduces the per-window text outputs
+and gathers the output.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ...config import ParallelConfig, ParallelConfigError
+from ...dist.comm import Comm
+from ...windows.runtime import WindowRuntime
+from ...attention.window import WindowPack
+from .blocks import ATTN, SCALE, SHIFT, NaMMSRBlock, emb_slots, rms_norm
+from .config import NaDiTConfig
+
+SINUSOIDAL_DIM = 256
+
+
+def timestep_sinusoid(t: torch.Tensor, dim: int = SINUSOIDAL_DIM, max_period: float = 10000.0) -> torch.Tensor:
+    """[sin(t f_k), cos(t f_k)], f_k = exp(-ln(max_period) k / (dim/2)): diffusers'
+    ``get_timestep_embedding`` with flip_sin_to_cos=False, downscale_freq_shift=0."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    arg = t.float()[:, None] * freqs[None, :]
+    return torch.cat([torch.sin(arg), torch.cos(arg)], dim=-1)
+
+
+class TimeEmbedding(nn.Module):
+    def __init__(self, dim: int, out_dim: int):
+        super().__init__()
+        self.proj_in = nn.Linear(SINUSOIDAL_DIM, dim)
+        self.proj_hid = nn.Linear(dim, dim)
+        self.proj_out = nn.Linear(dim, out_dim)
+
+    def forward(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        h = timestep_sinusoid(t).to(dtype)
+        return self.proj_out(F.silu(self.proj_hid(F.silu(self.proj_in(h)))))
+
+
+class PatchIn(nn.Module):
+    def __init__(self, in_channels: int, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(in_channels, dim)
+
+
+class PatchOut(nn.Module):
+    def __init__(self, dim: int, out_channels: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, out_channels)
+
+
+class OutAda(nn.Module):
+    """``vid_out_ada``: only ``out_shift``/``out_scale`` (no gate)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.out_shift = nn.Parameter(torch.zeros(dim))
+        self.out_scale = nn.Parameter(torch.ones(dim))
+
+
+class RMSNormWeight(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+def patchify(vid: torch.Tensor, patch: Sequence[int]) -> torch.Tensor:
+    """(T, H, W, C) -> (T/pt * H/ph * W/pw, pt*ph*pw*C) canonical rows, (dt, dy, dx, c) with c fastest."""
+    pt, ph, pw = patch
+    T, H, W, C = vid.shape
+    x = vid.view(T // pt, pt, H // ph, ph, W // pw, pw, C).permute(0, 2, 4, 1, 3, 5, 6)
+    return x.reshape(-1, pt * ph * pw * C)
+
+
+def unpatchify(y: torch.Tensor, grid: Sequence[int], patch: Sequence[int]) -> torch.Tensor:
+    """Inverse of :func:`patchify`: canonical rows -> (T, H, W, C) channels-last."""
+    (T, H, W), (pt, ph, pw) = grid, patch
+    y = y.view(T, H, W, pt, ph, pw, -1).permute(0, 3, 1, 4, 2, 5, 6)
+    return y.reshape(T * pt, H * ph, W * pw, -1)
+
+
+def x0_from_v(noise: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One-step v_lerp sampler at t = T: ``x0 = noise - v`` (facts §4/§6)."""
+    return noise - v
+
+
+class NaDiT(nn.Module):
+    """SeedVR2 3B NaDiT; parameter names mirror the reference except the RoPE
+    buffer, registered as ``blocks.<i>.attn.rope.freqs``."""
+
+    def __init__(self, cfg: NaDiTConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.vid_dim
+        self.vid_in = PatchIn(cfg.patch_channels, d)
+        self.txt_in = nn.Linear(cfg.txt_in_dim, d)
+        self.emb_in = TimeEmbedding(d, cfg.emb_dim)
+        self.blocks = nn.ModuleList(NaMMSRBlock(cfg, i) for i in range(cfg.num_layers))
+        self.vid_out_norm = RMSNormWeight(d)
+        self.vid_out_ada = OutAda(d)
+        self.vid_out = PatchOut(d, cfg.out_patch_channels)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.vid_in.proj.weight.dtype
+
+    def grid_of(self, latent_shape: Sequence[int]) -> tuple[int, int, int]:
+        """Post-patch token grid of a (T, H, W[, C]) latent."""
+        (T, H, W), (pt, ph, pw) = latent_shape[:3], self.cfg.patch_size
+        if T % pt or H % ph or W % pw:
+            raise ValueError(f"latent (T,H,W)=({T},{H},{W}) does not divide by the patch {self.cfg.patch_size}")
+        return (T // pt, H // ph, W // pw)
+
+    def single_runtime(self, grid: Sequence[int], planner: str = "lpt") -> WindowRuntime:
+        return WindowRuntime.single(grid, self.cfg.window_methods, self.cfg.num_windows, torch.float32, planner)
+
+    def build_runtime(self, parallel_config: ParallelConfig | None = None, grid: Sequence[int] = (), group=None,
+                      planner: str | None = None) -> WindowRuntime:
+        return build_runtime(self.cfg, parallel_config, grid, group, planner)
+
+    def run_report(self, runtime: WindowRuntime) -> str:
+        return runtime.report(heads=self.cfg.heads)
+
+    def forward(self, vid: torch.Tensor, txt: torch.Tensor, timestep, runtime: WindowRuntime | None = None
+                ) -> torch.Tensor:
+        """vid (T, H, W, 33) latent, txt (L, txt_in_dim), timestep scalar -> v (T, H, W, 16).
+
+        ``runtime`` None runs on this device alone; under SP pass the group's
+        runtime (:func:`build_runtime`) and every rank returns the full output.
+        """
+        cfg, dtype = self.cfg, self.dtype
+        grid = self.grid_of(vid.shape)
+        rt = runtime or self.single_runtime(grid)
+        if tuple(rt.schedule.grid) != grid or tuple(rt.schedule.layer_methods) != cfg.window_methods:
+            raise ValueError(f"runtime planned grid {rt.schedule.grid} / its schedule, model needs {grid} / "
+                             f"{len(cfg.window_methods)} layers of {cfg.name}")
+        t = torch.as_tensor(timestep, dtype=torch.float32, device=vid.device).reshape(-1)[:1]
+        emb = self.emb_in(t, dtype)[0]  # one clip, one timestep: one emb serves every token
+        x = rt.scatter(patchify(vid.to(dtype), cfg.patch_size), 0)
+        x = self.vid_in.proj(x)
+        txt = self.txt_in(txt.to(dtype))
+        packs: dict[str, WindowPack] = {}
+        for i, block in enumerate(self.blocks):
+            x = rt.enter_layer(x, i)
+            method = rt.schedule.layer_methods[i]
+            if method not in packs:
+                packs[method] = WindowPack.build(rt.local_window_shapes(i), x.device)
+            x, txt = block(x, txt, emb, packs[method], rt, i)
+        # Effective vid_out_ada (facts §4): the block-0 attn shift/scale slot plus out_shift/out_scale.
+        e = emb_slots(emb)
+        y = rms_norm(x, self.vid_out_norm.weight, cfg.norm_eps)
+        y = y * (e[:, ATTN, SCALE] + self.vid_out_ada.out_scale) + (e[:, ATTN, SHIFT] + self.vid_out_ada.out_shift)
+        y = self.vid_out.proj(y)  # tokenwise: gather the 64-wide output, not the hidden state
+        return unpatchify(rt.gather(y), grid, cfg.patch_size)
+
+
+def build_runtime(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: Sequence[int], group=None,
+                  planner: str | None = None) -> WindowRuntime:
+    """Validate ``parallel_config`` for SeedVR2 and build the window-aligned SP runtime on ``group``.
+
+    ``group`` is the SP process group (its size must be ``ulysses_degree``);
+    None means one rank. Text sums are reduced in fp32 whatever the model dtype.
+    """
+    pc = parallel_config or ParallelConfig()
+    world = 1 if group is None else dist.get_world_size(group)
+    pc.validate("seedvr2", pc.sp_degree)  # the SeedVR2 rejections first, whatever the group
+    if pc.sp_degree != world:
+        raise ParallelConfigError(
+            f"window-aligned SP degree {pc.sp_degree} needs an SP group of {pc.sp_degree} ranks, got {world}")
+    planner = planner or pc.window_planner
+    if group is None:
+        return WindowRuntime.single(grid, cfg.window_methods, cfg.num_windows, torch.float32, planner)
+    return WindowRuntime(grid, cfg.window_methods, Comm(group), planner, cfg.num_windows, torch.float32)
+
+
+@torch.no_grad()
+def init_random_(model: NaDiT, seed: int = 0, std: float = 0.05) -> NaDiT:
+    """Seeded weights, identical on every rank: ``std * randn`` everywhere, except
+    RMSNorm weights and AdaSingle scales/gates, ``1 + std * randn`` (so every block
+    visibly changes the residual stream, as in the reference vectors)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        r = torch.randn(p.shape, generator=g) * std
+        unit = name.endswith(("_scale", "_gate")) or ".norm_" in name or name.startswith("vid_out_norm.")
+        p.copy_(r + 1.0 if unit else r)
+    return model
+
+
+def random_inputs(cfg: NaDiTConfig, grid: Sequence[int], seed: int = 0, txt_len: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded latent (T, H, W, 33) for post-patch ``grid`` and text (L, txt_in_dim), fp32."""
+    g = torch.Generator().manual_seed(seed)
+    (T, H, W), (pt, ph, pw) = grid, cfg.patch_size
+    vid = torch.randn(T * pt, H * ph, W * pw, cfg.vid_in_channels, generator=g)
+    txt = torch.randn(txt_len or cfg.txt_len, cfg.txt_in_dim, generator=g)
+    return vid, txt
+
+
+def build_model(cfg: NaDiTConfig | str, num_layers: int | None = None, checkpoint: str | None = None, seed: int = 0,
+                dtype: torch.dtype = torch.float32, device="cpu", allow_truncated: bool = False) -> NaDiT:
+    """A ready NaDiT: preset name or config, strict checkpoint or seeded random weights, eval mode."""
+    from .checkpoint import load_checkpoint
+    from .config import get_config
+
+    cfg = get_config(cfg, num_layers) if isinstance(cfg, str) else (cfg.with_layers(num_layers) if num_layers else cfg)
+    if checkpoint:
+        with torch.device("meta"):
+            model = NaDiT(cfg)
+        load_checkpoint(model, checkpoint, allow_truncated=allow_truncated)
+    else:
+        model = init_random_(NaDiT(cfg), seed)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -1,0 +1,73 @@
+"""Window-local 3D RoPE of the SeedVR2 3B (``mmrope3d``).
+
+Facts (seedvr2-facts §3): lang frequencies ``1/theta^(2k/d)`` with
+``d = rope_dim // 3`` per axis, axes t|h|w, interleaved pairs
+``(x0, x1) -> (x0 c - x1 s, x1 c + x0 s)``, ``3 d`` rotated channels and the
+rest passed through. A video token at window-local (dt, dh, dw) sits at
+(txt_len + dt, dh, dw); text token j at (j, j, j). Angles are fp32 products
+``pos * freq`` and the rotation runs in fp32.
+
+The reference materialises a (1024, 128, 128, 126) table (7.9 GiB); here only
+the angles of the window shapes a layout has are computed (one small table
+per distinct shape, shared by all blocks).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+
+def rope_freqs(rope_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """Per-axis frequencies (d/2,) in fp32 on CPU, d = rope_dim // 3."""
+    d = rope_dim // 3
+    return 1.0 / (theta ** (torch.arange(0, d, 2, device="cpu")[: d // 2].float() / d))
+
+
+@lru_cache(maxsize=256)
+def _cos_sin(rope_dim: int, theta: float, shape: tuple, txt_len: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (rows, 3d/2) fp32. ``shape`` (f, h, w): a video window; (L,): text."""
+    f = rope_freqs(rope_dim, theta).to(device)
+    ax = lambda pos: pos.float()[:, None] * f  # noqa: E731 - fp32 angles, as the reference's einsum
+    if len(shape) == 1:
+        ang = ax(torch.arange(shape[0], device=device)).repeat(1, 3)
+    else:
+        ft, fh, fw = shape
+        at, ah, aw = ax(torch.arange(txt_len, txt_len + ft, device=device)), ax(torch.arange(fh, device=device)), \
+            ax(torch.arange(fw, device=device))
+        n = f.numel()
+        ang = torch.cat([at[:, None, None].expand(ft, fh, fw, n), ah[None, :, None].expand(ft, fh, fw, n),
+                         aw[None, None, :].expand(ft, fh, fw, n)], dim=-1).reshape(ft * fh * fw, 3 * n)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of the first ``2*cos.shape[-1]`` channels of x (..., rows, H, D), in fp32."""
+    r = 2 * cos.shape[-1]
+    xf = x.float()
+    x0, x1 = xf[..., :r].unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).flatten(-2)
+    return torch.cat((out, xf[..., r:]), dim=-1).to(x.dtype)
+
+
+class MMRope3d(nn.Module):
+    """RoPE of one block. ``freqs`` is the checkpoint buffer (port name
+    ``blocks.<i>.attn.rope.freqs``); the angles always use the analytic fp32
+    values (facts §3), so a reduced-precision checkpoint or ``model.to(bf16)``
+    cannot degrade them. The loader checks that a loaded buffer agrees."""
+
+    def __init__(self, rope_dim: int, theta: float = 10000.0):
+        super().__init__()
+        self.rope_dim, self.theta = rope_dim, float(theta)
+        self.register_buffer("freqs", rope_freqs(rope_dim, theta).to(torch.get_default_device()))
+
+    def video(self, x: torch.Tensor, shape: tuple[int, int, int], txt_len: int) -> torch.Tensor:
+        """x (n, f*h*w, H, D): n windows of ``shape``."""
+        return apply_rope(x, *_cos_sin(self.rope_dim, self.theta, tuple(shape), txt_len, str(x.device)))
+
+    def text(self, x: torch.Tensor) -> torch.Tensor:
+        """x (L, H, D): text at (j, j, j)."""
+        return apply_rope(x, *_cos_sin(self.rope_dim, self.theta, (x.shape[0],), 0, str(x.device)))
