@@ -101,9 +101,9 @@ def check(clusters, strategy, U, R, shape, joint="front", dtype="fp32", lens=Non
     else:
         # bf16: no worse than single-device bf16 SDPA, both measured against fp64 on the same inputs.
         p_out, p_grads = reference(shape, joint, dtype, precise=True)
-        assert rel_err(out, p_out) <= max(2 * rel_err(ref_out, p_out), 1e-2)
+        assert rel_err(out, p_out) <= max(2 * rel_err(ref_out, p_out), 8e-3)
         for g, rg, pg in zip(grads, ref_grads, p_grads):
-            assert rel_err(g, pg) <= max(2 * rel_err(rg, pg), 2e-2)
+            assert rel_err(g, pg) <= max(2 * rel_err(rg, pg), 8e-3)
     return results
 
 
@@ -184,3 +184,22 @@ def test_ring_traffic_counts(clusters):
         assert s["ring_kv"] == {"calls": 2, "bytes_sent": 2 * kv_block, "bytes_recv": 2 * kv_block}
         assert s["ring_kv_bwd"]["calls"] == 2 and s["ring_dkv"]["calls"] == 3
         assert "text_rows" in s  # the text K/V is never circulated: only text outputs are gathered
+
+
+def rank_strict(ctx):
+    from ditsp.config import ParallelConfigError
+
+    cfg = ParallelConfig(ulysses_degree=2)  # strict: advanced_uaa=False
+    attn = SPAttention.from_config(cfg, build_sp_groups(cfg, ctx.group))
+    q = torch.randn(1, 4, 5, 8)
+    try:
+        attn(q, q, q)
+    except ParallelConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_strict_mode_rejects_uneven_heads_with_choices(clusters):
+    msgs = clusters(2).run(rank_strict)
+    assert all(m and "valid degrees: [1, 5]" in m and "advanced_uaa" in m for m in msgs)

@@ -76,11 +76,15 @@ def rank_bench(ctx, cfg: dict) -> dict:
     return {"times": times, "stats": stats}
 
 
-def run_bench(cfg: dict, timeout_s: float = 1800.0) -> list[dict]:
+def run_bench(cfg: dict, timeout_s: float = 1800.0, cluster=None) -> list[dict]:
+    """Rows of the table; ``cluster``: an existing LocalCluster of ``cfg['sp']`` ranks (else one is spawned)."""
     from ..dist.launcher import LocalCluster
 
-    with LocalCluster(cfg["sp"], timeout_s=timeout_s, threads=cfg["threads"]) as cluster:
-        res = cluster.run(rank_bench, cfg)
+    if cluster is not None:
+        res = cluster.run(rank_bench, cfg, timeout_s=timeout_s)
+    else:
+        with LocalCluster(cfg["sp"], timeout_s=timeout_s, threads=cfg["threads"]) as c:
+            res = c.run(rank_bench, cfg)
     rows = []
     for name, u, r in cfg["strategies"]:
         per_iter = [max(rk["times"][name][i] for rk in res) for i in range(cfg["iters"])]
