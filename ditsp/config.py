@@ -30,7 +30,10 @@ class ParallelConfig:
     - ``use_allgather``: AllGather-KV instead of the ring on the outer axis.
     - ``advanced_uaa``: uneven Ulysses all-to-all, i.e. head counts that do not
       divide by ``ulysses_degree`` (uneven head shards). Off is the strict mode.
-    - ``ulysses_a2a_permute``: a Ulysses transport variant (see ditsp.attention.ulysses).
+    - ``ulysses_a2a_permute``: Ulysses transport variant: Q, K and V are each permuted
+      to head-major and exchanged in their own all-to-all (3 calls, no stacked pack
+      buffer) instead of one stacked Q/K/V all-to-all; same results, same bytes
+      (see ditsp.attention.ulysses).
     - ``window_planner``: window planner for window-aligned SP.
     """
 
