@@ -1,0 +1,43 @@
+"""The reference's Ulysses path for NaDiT (the baseline of `ditsp bench forward`): parity and traffic."""
+
+import pytest
+import torch
+
+from ditsp.models.nadit.ulysses_path import even_shares
+from ditsp.runner import RunSpec, build_for, rank_forward
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_even_shares():
+    assert even_shares(20, 8) == [3, 3, 3, 3, 2, 2, 2, 2]
+    assert even_shares(3, 4) == [1, 1, 1, 0]
+    assert sum(even_shares(75600, 7)) == 75600
+
+
+@pytest.fixture(scope="module")
+def reference():
+    spec = RunSpec(model="tiny", grid=(5, 20, 36), sp=1)
+    model, vid, txt = build_for(spec)
+    with torch.no_grad():
+        return model(vid, txt, 1000.0)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])  # 3 heads: 4 ranks leave one rank without a head
+def test_ulysses_path_matches_single_device(clusters, reference, world):
+    spec = RunSpec(model="tiny", grid=(5, 20, 36), sp=world, path="ulysses")
+    results = clusters(world).run(rank_forward, spec)
+    out = results[0]["output"]
+    assert (out - reference).abs().max() <= 1e-5 * reference.abs().max()
+    tokens, dim, heads, layers = 5 * 20 * 36, 96, 3, 4
+    for r in results:
+        kinds = r["collectives"]
+        assert kinds["ulysses_qkv"]["calls"] == layers and kinds["ulysses_out"]["calls"] == layers
+        assert "window_exchange" not in kinds
+    # Q, K, V and O: four activation-sized all-to-alls per layer, (P-1)/P of each leaves its rank
+    total = sum(r["collectives"]["ulysses_qkv"]["bytes_sent"] + r["collectives"]["ulysses_out"]["bytes_sent"]
+                for r in results)
+    rows = [tokens // world + (p < tokens % world) for p in range(world)]
+    shares = [heads // world + (p < heads % world) for p in range(world)]
+    per_layer = sum(4 * rows[r] * shares[p] * (dim // heads) * 4 for r in range(world) for p in range(world) if p != r)
+    assert total == layers * per_layer
