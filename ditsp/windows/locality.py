@@ -12,29 +12,34 @@ graph partition:
   holding it sit on different ranks, so the edge cut *is* the number of tokens
   moved per transition.
 
-The partition is built in three deterministic steps:
+The partition is built deterministically:
 
-1. **Recursive coordinate bisection** of the first layout's windows. At each
-   node the windows are ordered along an axis (with the two other axes as
-   tie-breaks, so a partial slab becomes a staircase) and cut at the prefix
-   closest to the rank split's token share; of all axis orders and of the
-   prefixes within a small balance slack, the cut that splits the fewest
-   tokens of the other layouts wins. The result is compact (h, w) blocks
-   running through all of t: cutting t is expensive, because the shifted
-   layout moves the temporal cuts by half a window.
+1. **Starts.** (a) Recursive coordinate bisection of the first layout's windows:
+   at each node the windows are ordered along an axis (ties by the two other
+   axes, ascending or descending, so a partial slab becomes a staircase) and
+   cut at the prefix nearest the rank split's token share; of all orders and
+   the prefixes within a small slack, the cut splitting the fewest tokens of
+   the other layouts wins. (b) Angular sectors around the (h, w) centre at
+   8 rotations: every sector runs through all of t and touches the border, so
+   ranks get similar boundary lengths and a low per-rank peak. Cutting t is
+   avoided because the shifted layout moves the temporal cuts by half a window
+   too, and a diagonal (staircase) boundary costs no more than its longer leg.
 2. The windows of the other layouts go to the rank holding most of their
-   tokens; a **balance repair** then moves the cheapest windows off any rank
-   above the cap.
-3. **Multi-constraint k-way Fiduccia-Mattheyses refinement** (moves with hill
-   climbing and rollback, never breaking a cap) minimises the tokens moved,
-   followed by a greedy pass that lowers the largest per-rank send+receive
-   volume without raising the total.
+   tokens; a **balance repair** moves the cheapest windows off any rank above
+   its cap (falling back to an affinity-aware LPT, then to a pure packing).
+3. **Multi-constraint k-way Fiduccia-Mattheyses** (moves with hill climbing
+   and rollback, never breaking a cap; first under caps relaxed by 6% and 3%
+   of a share, then the real ones) minimises the tokens moved; a greedy pass
+   then lowers the largest per-rank send+receive without raising the total.
+4. The best start by (largest per-rank send+recv, tokens moved) gets a short
+   iterated local search (fixed-seed LCG perturbations of boundary windows,
+   re-refined, improvements kept).
 
-Several starts (root split axis, rank split sizes) are refined and the best
-is kept by (largest per-rank send+recv, tokens moved). Balance is a hard cap:
-``max/mean <= 1.03`` in every layout, or LPT's own imbalance where even LPT
-cannot reach 1.03 (e.g. more ranks than windows). Pure numpy/Python, no
-randomness: the same request always gets the same plan.
+Balance is a hard cap per layout: ``max/mean <= 1.03``, or, where no
+assignment reaches 1.03 (more ranks than windows, coarse windows such as
+720p at SP=6), the balance of a packing search (LPT plus moves and swaps),
+which is never worse than LPT. Pure numpy/Python integer arithmetic: the same
+request always gets the same plan, on every rank.
 """
 
 from __future__ import annotations
