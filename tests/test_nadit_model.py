@@ -1,6 +1,5 @@
 """NaDiT structure (3B on meta), single device vs window SP (fp32, bf16), run configuration."""
 
-import math
 
 import pytest
 import torch

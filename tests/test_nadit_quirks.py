@@ -9,7 +9,7 @@ from ditsp.attention.window import WindowPack, window_attention
 from ditsp.models.nadit import TINY, NaDiT
 from ditsp.models.nadit.blocks import ATTN, MLP, AdaSingle, WindowMMAttention, emb_slots, rms_norm
 from ditsp.models.nadit.model import build_model, random_inputs
-from ditsp.models.nadit.rope import MMRope3d, apply_rope
+from ditsp.models.nadit.rope import MMRope3d
 
 GRID = (5, 20, 36)
 

@@ -83,7 +83,7 @@ def window_attention(
 
 
 def _grouped_sdpa(q, k, v, tq, tk, tv, pack, rope):
-    n_rows, heads, dim = q.shape
+    _, heads, dim = q.shape
     L = tk.shape[0]
     out = q.new_empty(q.shape)
     txt = torch.zeros(L, heads, dim, dtype=torch.float32, device=q.device) if tq is not None else None

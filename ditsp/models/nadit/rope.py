@@ -26,7 +26,7 @@ def rope_freqs(rope_dim: int, theta: float = 10000.0) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, d, 2, device="cpu")[: d // 2].float() / d))
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=128)
 def _cos_sin(rope_dim: int, theta: float, shape: tuple, txt_len: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin (rows, 3d/2) fp32. ``shape`` (f, h, w): a video window; (L,): text."""
     f = rope_freqs(rope_dim, theta).to(device)
