@@ -1,6 +1,6 @@
 """LPT vs locality-aware window planning: a markdown table, plus exact optima on small grids.
 
-    .venv/bin/python benchmarks/planner_table.py [--ilp-seconds 20] [--frames-grid 21]
+    .venv/bin/python benchmarks/planner_table.py [--ilp-seconds 40]   (0: skip the ILPs, a few seconds)
 
 For 720p / 1080p / 2K / 4K at 81 frames (post-patch T = 21) and SP 2, 4, 8 it
 prints, per planner: the fraction of all video tokens moved per regular <->
@@ -133,7 +133,7 @@ def _pct(x: float) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ilp-seconds", type=float, default=20.0, help="HiGHS time limit per instance (0: skip)")
+    ap.add_argument("--ilp-seconds", type=float, default=40.0, help="HiGHS time limit per instance (0: skip)")
     ap.add_argument("--ilp-max-binaries", type=int, default=400, help="skip the ILP above this many x[v, r]")
     args = ap.parse_args(argv)
 

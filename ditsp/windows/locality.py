@@ -60,7 +60,7 @@ _FM_PASSES = 8
 _FM_STALL = 60  # FM stops after this many moves without a new best
 _RELAX = (0.06, 0.03)  # FM first runs with caps this much (of a rank's share) above the real cap
 _SECTOR_OFFSETS = 8  # angular starts
-_ILS_ITERS = 16  # perturbation rounds on the best start
+_ILS_WORK = 12000  # perturbation rounds x vertices on the best start (more rounds for small graphs)
 
 RankWindows = tuple[tuple[int, ...], ...]
 
@@ -630,7 +630,7 @@ def locality_assign(layouts: Sequence[WindowLayout], world_size: int) -> tuple[R
             best = (sc, st)
     if best is None:  # cannot happen: the packing fallback always fits its own caps
         return tuple(tuple(map(tuple, packed_assign(lay.token_counts, p, c))) for lay, c in zip(layouts, caps))
-    st = _perturb_search(best[1], _ILS_ITERS)
+    st = _perturb_search(best[1], min(200, max(16, _ILS_WORK // g.n)))
     out = []
     for lay in range(len(layouts)):
         lo = int(g.base[lay])
