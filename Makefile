@@ -19,15 +19,20 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 setup: $(STAMP)
 
+# The main job: plan a 720p 81-frame request at SP=4 (with its picture), then run it on
+# 4 local ranks on a reduced-width NaDiT of the 3B structure and check parity with one device.
 run: $(STAMP)
 	mkdir -p out
-	$(BIN)/ditsp plan --resolution 1920x1080 --frames 81 --sp 4 --plot out/plan-1080p-sp4.png
+	$(BIN)/ditsp plan --resolution 1280x720 --frames 81 --sp 4 --plot out/plan-720p-sp4.png
+	$(BIN)/ditsp run --model small --layers 4 --resolution 1280x720 --frames 81 --sp 4 --check
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# Benchmarks (minutes, not part of the tests): tables and plots under benchmarks/results.
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/ditsp bench forward
+	$(BIN)/ditsp bench attention --sp 4 --seq 4096 --heads 8 --head-dim 64 | tee benchmarks/results/attention.txt
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis
