@@ -1,4 +1,4 @@
-"""The reference's Ulysses path for NaDiT (the baseline of `ditsp bench forward`): parity and traffic."""
+"""NaDiT execution paths beyond the default: the Ulysses baseline and window SP under the locality plan."""
 
 import pytest
 import torch
@@ -41,3 +41,11 @@ def test_ulysses_path_matches_single_device(clusters, reference, world):
     shares = [heads // world + (p < heads % world) for p in range(world)]
     per_layer = sum(4 * rows[r] * shares[p] * (dim // heads) * 4 for r in range(world) for p in range(world) if p != r)
     assert total == layers * per_layer
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_window_sp_under_the_locality_plan_matches_single_device(clusters, reference, world):
+    spec = RunSpec(model="tiny", grid=(5, 20, 36), sp=world, planner="locality")
+    results = clusters(world).run(rank_forward, spec)
+    assert (results[0]["output"] - reference).abs().max() <= 1e-5 * reference.abs().max()
+    assert "planner locality" in results[0]["report"]
