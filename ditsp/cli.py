@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "sp", None) is not None and args.sp < 1:
+    if isinstance(getattr(args, "sp", None), int) and args.sp < 1:
         parser.error("--sp must be >= 1")
     return args.func(args, parser)
 

@@ -50,7 +50,7 @@ class UlyssesWindowRuntime:
         self.head_shares = even_shares(heads, self.world_size)
         self.head_start = sum(self.head_shares[: self.rank])
         self.current = None
-        self._packs: dict = {}
+        self._orders: dict = {}  # method -> window-order index
 
     # -- the WindowRuntime interface -------------------------------------------
 
@@ -85,7 +85,7 @@ class UlyssesWindowRuntime:
         """Sequence shards -> head shards, window attention over all windows, and back."""
         h0, h = self.head_start, self.head_shares[self.rank]
         qkv = self._seq_to_heads(torch.stack([q, k, v], 1))  # (N, 3, h, D) canonical order
-        order = torch.from_numpy(self.schedule.plans[self.current].layout.token_ids)
+        order = self._order(self.current)
         q_, k_, v_ = qkv.index_select(0, order).unbind(1)
         heads = slice(h0, h0 + h)
         out, tsum = window_attention(q_, k_, v_, None if tq is None else tq[:, heads], tk[:, heads], tv[:, heads],
@@ -97,6 +97,12 @@ class UlyssesWindowRuntime:
             parts = self.comm.all_gather_rows(tsum.transpose(0, 1).contiguous(), self.head_shares, kind="text_heads")
             tsum = torch.cat(parts).transpose(0, 1)
         return out, tsum
+
+    def _order(self, method: str) -> torch.Tensor:
+        """Canonical rows -> all windows of ``method``'s layout back to back (cached)."""
+        if method not in self._orders:
+            self._orders[method] = torch.from_numpy(self.schedule.plans[method].layout.token_ids.copy())
+        return self._orders[method]
 
     def _seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(n_local, 3, H, D) -> (N, 3, h_mine, D): send each peer its heads of my rows."""
