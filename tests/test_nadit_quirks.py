@@ -127,17 +127,23 @@ def test_text_output_is_the_unweighted_mean_over_windows():
     assert (out_t - weighted).abs().max() > 1e-3  # the check can tell the two means apart
 
 
-@torch.no_grad()
-def test_grouped_sdpa_video_only_queries_match():
-    """The last block asks for no text queries: the video output must not change."""
-    torch.manual_seed(1)
-    shapes = [(2, 3, 4), (1, 3, 4), (2, 3, 4), (2, 2, 4)]
-    n, H, D, L = sum(math.prod(s) for s in shapes), 3, 32, 5
+WINDOW_SHAPES = [(2, 3, 4), (1, 3, 4), (2, 3, 4), (2, 2, 4)]
+
+
+def window_case(seed: int):
+    """Random video/text q, k, v for WINDOW_SHAPES (3 heads of 32, 5 text tokens), a RoPE and the pack."""
+    torch.manual_seed(seed)
+    n, H, D, L = sum(math.prod(s) for s in WINDOW_SHAPES), 3, 32, 5
     q, k, v = (torch.randn(n, H, D) for _ in range(3))
     tq, tk, tv = (torch.randn(L, H, D) for _ in range(3))
     rope = MMRope3d(32)
-    fn = lambda x, s: rope.video(x, s, L)  # noqa: E731
-    pack = WindowPack.build(shapes)
+    return WINDOW_SHAPES, (q, k, v, tq, tk, tv), rope, (lambda x, s: rope.video(x, s, L)), WindowPack.build(WINDOW_SHAPES)
+
+
+@torch.no_grad()
+def test_grouped_sdpa_video_only_queries_match():
+    """The last block asks for no text queries: the video output must not change."""
+    shapes, (q, k, v, tq, tk, tv), rope, fn, pack = window_case(1)
     assert len(pack.groups) == 3  # equal shapes batched together
     out, txt = window_attention(q, k, v, tq, tk, tv, pack, fn, backend="sdpa")
     out2, none = window_attention(q, k, v, None, tk, tv, pack, fn, backend="sdpa")
@@ -210,14 +216,7 @@ def test_packed_varlen_path_matches_grouped_sdpa(monkeypatch):
     import ditsp.attention.window as window
 
     monkeypatch.setattr(window, "flash_attn_varlen_func", fake_varlen)
-    torch.manual_seed(3)
-    shapes = [(2, 3, 4), (1, 3, 4), (2, 3, 4), (2, 2, 4)]
-    n, H, D, L = sum(math.prod(s) for s in shapes), 3, 32, 5
-    q, k, v = (torch.randn(n, H, D) for _ in range(3))
-    tq, tk, tv = (torch.randn(L, H, D) for _ in range(3))
-    rope = MMRope3d(32)
-    fn = lambda x, s: rope.video(x, s, L)  # noqa: E731
-    pack = WindowPack.build(shapes)
+    shapes, (q, k, v, tq, tk, tv), rope, fn, pack = window_case(3)
     ref, ref_t = window_attention(q, k, v, tq, tk, tv, pack, fn, backend="sdpa")
     out, txt = window_attention(q, k, v, tq, tk, tv, pack, fn, backend="varlen")
     assert torch.allclose(out, ref, atol=1e-5) and torch.allclose(txt, ref_t, atol=1e-5)
