@@ -33,6 +33,15 @@ def _post(comm: Comm, send: torch.Tensor | None, recv: torch.Tensor | None, kind
     return comm.batch_isend_irecv(sends, recvs, kind=kind) if sends or recvs else []
 
 
+def _post_next_kv(comm: Comm, kv: torch.Tensor, kv_lens: Sequence[int], step: int, kind: str):
+    """Post the transfer of the block held at ``step + 1`` (none after the last step): (buffer, requests)."""
+    n = comm.world_size
+    if step + 1 >= n:
+        return None, []
+    nxt = kv.new_empty(kv.shape[:3] + (kv_lens[(comm.rank - step - 1) % n],) + kv.shape[4:])
+    return nxt, _post(comm, kv, nxt, kind)
+
+
 def _wait(reqs) -> None:
     for r in reqs:
         r.wait()
@@ -40,16 +49,12 @@ def _wait(reqs) -> None:
 
 def ring_fwd(comm: Comm, q, kv, kv_lens: Sequence[int], scale: float, extra=None):
     """``q`` [B,H,Sq,D]; ``kv`` [2,B,Hkv,s_me,D] stacked K/V. Returns fp32 (out, lse)."""
-    n, me = comm.world_size, comm.rank
+    n = comm.world_size
     out = lse = None
     if extra is not None and extra.shape[3]:
         out, lse = attn_fwd(q, extra[0], extra[1], scale)
     for step in range(n):
-        nxt = None
-        if step + 1 < n:
-            src = (me - step - 1) % n
-            nxt = kv.new_empty(kv.shape[:3] + (kv_lens[src],) + kv.shape[4:])
-            reqs = _post(comm, kv, nxt, "ring_kv")
+        nxt, reqs = _post_next_kv(comm, kv, kv_lens, step, "ring_kv")
         if kv.shape[3]:
             out, lse = merge(out, lse, *attn_fwd(q, kv[0], kv[1], scale))
         if nxt is not None:
@@ -75,11 +80,7 @@ def ring_bwd(comm: Comm, q, kv, kv_lens, scale, out, lse, dout, extra=None):
             dextra[0], dextra[1] = g[1], g[2]
     dkv, dkv_reqs = None, []
     for step in range(n):
-        nxt = None
-        if step + 1 < n:
-            src = (me - step - 1) % n
-            nxt = kv.new_empty(kv.shape[:3] + (kv_lens[src],) + kv.shape[4:])
-            kv_reqs = _post(comm, kv, nxt, "ring_kv_bwd")
+        nxt, kv_reqs = _post_next_kv(comm, kv, kv_lens, step, "ring_kv_bwd")
         blk = torch.zeros(kv.shape, dtype=torch.float32)
         if kv.shape[3]:
             g = attn_bwd(q, kv[0], kv[1], lse, delta, dout, scale)
