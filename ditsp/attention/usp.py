@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from ..config import ParallelConfig, ParallelConfigError, SPGroups
+from ..config import ParallelConfig, SPGroups
 from ..dist.comm import Comm, CommStats
 from .allgather import allgather_attention
 from .common import default_scale, even_splits, gather_lens, gather_rows, ranges
@@ -29,11 +29,7 @@ from .ulysses import head_plan, to_heads, to_seq
 
 
 def _comm(group, stats: CommStats) -> Comm:
-    if group is None:
-        c = Comm.single()
-        c.stats = stats
-        return c
-    return Comm(group, stats)
+    return Comm.single(stats) if group is None else Comm(group, stats)
 
 
 class SPAttention:
@@ -68,10 +64,8 @@ class SPAttention:
             raise ValueError(f"joint must be 'front' or 'rear', got {joint!r}")
         T, U, R = int(text_len), self.u.world_size, self.r.world_size
         heads, kv_heads = q.shape[2], k.shape[2]
-        if self.strict and heads % U:
-            raise ParallelConfigError(
-                f"{heads} heads do not divide by ulysses degree {U}; valid degrees: "
-                f"{[d for d in range(1, heads + 1) if heads % d == 0]}, or allow uneven head shards (advanced_uaa)")
+        if self.strict:  # the config's own check and message
+            ParallelConfig(ulysses_degree=U, advanced_uaa=False).validate("global", U, heads)
         scale = default_scale(q, scale)
         if joint == "front":
             (tq, vq), (tk, vk), (tv, vv) = [(x[:, :T], x[:, T:]) for x in (q, k, v)]

@@ -77,10 +77,10 @@ class Comm:
         self.stats = stats or CommStats()
 
     @classmethod
-    def single(cls) -> "Comm":
+    def single(cls, stats: CommStats | None = None) -> "Comm":
         """A one-rank Comm without a process group (single device)."""
         obj = cls.__new__(cls)
-        obj.group, obj.rank, obj.world_size, obj.stats = None, 0, 1, CommStats()
+        obj.group, obj.rank, obj.world_size, obj.stats = None, 0, 1, stats or CommStats()
         return obj
 
     # -- collectives ---------------------------------------------------------
