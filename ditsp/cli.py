@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from .models.nadit.config import PRESETS, get_config
-from .sizing import parse_grid, parse_resolution, request_grid
+from .models.seedvr2.nadit.config import PRESETS, get_config
+from .models.seedvr2.sizing import parse_grid, parse_resolution, request_grid
 
 
 def add_request_args(p: argparse.ArgumentParser) -> None:
@@ -34,7 +34,7 @@ def resolve_grid(args: argparse.Namespace, parser: argparse.ArgumentParser) -> t
 
 
 def cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .plan_report import format_summary, plan_request, summarize
+    from .models.seedvr2.plan_report import format_summary, plan_request, summarize
     from .windows.planner import planner_names
 
     grid, notes = resolve_grid(args, parser)
@@ -56,7 +56,7 @@ def cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         print("\n\n".join(format_summary(s, notes) for s in summaries))
     if args.plot:
-        from .viz import plot_schedule
+        from .windows.viz import plot_schedule
 
         for schedule in schedules:
             path = args.plot if len(schedules) == 1 else args.plot.replace(".png", f"-{schedule.planner}.png")

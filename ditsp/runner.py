@@ -80,7 +80,7 @@ def _status_kib(field: str) -> int:
 
 def build_for(spec: RunSpec, device: torch.device | str = "cpu"):
     """Model and inputs of a spec, identical on every rank."""
-    from .models.nadit.model import build_model, random_inputs
+    from .models.seedvr2.nadit.model import build_model, random_inputs
 
     model = build_model(spec.model, spec.layers, spec.checkpoint, seed=spec.seed, dtype=DTYPES[spec.dtype],
                         device=device)
@@ -94,7 +94,7 @@ def make_runtime(model, spec: RunSpec, group):
         return model.build_runtime(ParallelConfig(ulysses_degree=spec.sp, window_planner=spec.planner), spec.grid,
                                    group, spec.planner)
     if spec.path == "ulysses":
-        from .models.nadit.ulysses_path import build_ulysses_runtime
+        from .models.seedvr2.nadit.ulysses_path import build_ulysses_runtime
 
         return build_ulysses_runtime(model.cfg, spec.grid, group)
     raise ValueError(f"unknown path {spec.path!r}; choose window or ulysses")

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ditsp.models.nadit import TINY, CheckpointError, NaDiT, load_checkpoint, load_text_embedding
-from ditsp.models.nadit.checkpoint import normalize_keys
-from ditsp.models.nadit.model import build_model, init_random_
+from ditsp.models.seedvr2.nadit import TINY, CheckpointError, NaDiT, load_checkpoint, load_text_embedding
+from ditsp.models.seedvr2.nadit.checkpoint import normalize_keys
+from ditsp.models.seedvr2.nadit.model import build_model, init_random_
 
 DATA = Path(__file__).parent / "data" / "nadit-3b-tiny"
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from ditsp.config import ParallelConfig, ParallelConfigError
-from ditsp.models.nadit import SEEDVR2_3B, TINY, NaDiT, build_runtime, x0_from_v
-from ditsp.models.nadit.model import build_model, patchify, random_inputs, unpatchify
+from ditsp.models.seedvr2.nadit import SEEDVR2_3B, TINY, NaDiT, build_runtime, x0_from_v
+from ditsp.models.seedvr2.nadit.model import build_model, patchify, random_inputs, unpatchify
 from ditsp.windows.geometry import window_layout
 
 GRID = (5, 20, 36)  # 12 regular + 12 shifted windows, ragged

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ditsp.models.nadit.ulysses_path import even_shares
+from ditsp.models.seedvr2.nadit.ulysses_path import even_shares
 from ditsp.runner import RunSpec, build_for, rank_forward
 
 pytestmark = pytest.mark.timeout(180)

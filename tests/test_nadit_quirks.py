@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from ditsp.attention.window import WindowPack, window_attention
-from ditsp.models.nadit import TINY, NaDiT
-from ditsp.models.nadit.blocks import ATTN, MLP, AdaSingle, WindowMMAttention, emb_slots, rms_norm
-from ditsp.models.nadit.model import build_model, random_inputs
-from ditsp.models.nadit.rope import MMRope3d
+from ditsp.models.seedvr2.nadit import TINY, NaDiT
+from ditsp.models.seedvr2.nadit.blocks import ATTN, MLP, AdaSingle, WindowMMAttention, emb_slots, rms_norm
+from ditsp.models.seedvr2.nadit.model import build_model, random_inputs
+from ditsp.models.seedvr2.nadit.rope import MMRope3d
 
 GRID = (5, 20, 36)
 

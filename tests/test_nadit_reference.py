@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from ditsp.config import ParallelConfig
-from ditsp.models.nadit import NaDiT, TINY, build_runtime, load_checkpoint
+from ditsp.models.seedvr2.nadit import NaDiT, TINY, build_runtime, load_checkpoint
 
 DATA = Path(__file__).parent / "data" / "nadit-3b-tiny"
 REL_TOL = 1e-5

@@ -79,8 +79,8 @@ def measure(spec: RunSpec, sps: list[int], threads: int = 1, timeout_s: float = 
 
 def analytical(sps=(2, 4, 8)) -> list[dict]:
     """Bytes per forward of the full 3B (bf16) for each path, 720p-4K at 81 frames."""
-    from ..models.nadit.config import SEEDVR2_3B
-    from ..plan_report import plan_request, summarize
+    from ..models.seedvr2.nadit.config import SEEDVR2_3B
+    from ..models.seedvr2.plan_report import plan_request, summarize
 
     rows = []
     for name, grid in RESOLUTIONS.items():
@@ -187,7 +187,7 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace, parser=None) -> int:
-    from ..sizing import parse_grid
+    from ..models.seedvr2.sizing import parse_grid
 
     spec = RunSpec(model=args.model, grid=parse_grid(args.grid), sp=1, layers=args.layers,
                    warmup=args.warmup, repeats=args.repeats)

@@ -20,11 +20,11 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ...attention.window import WindowPack, window_attention
-from ...dist.agree import agree
-from ...dist.comm import Comm
-from ...windows.geometry import canonical_method, short_name
-from ...windows.schedule import plan_schedule
+from ....attention.window import WindowPack, window_attention
+from ....dist.agree import agree
+from ....dist.comm import Comm
+from ....windows.geometry import canonical_method, short_name
+from ....windows.schedule import plan_schedule
 from .config import NaDiTConfig
 
 

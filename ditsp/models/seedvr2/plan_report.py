@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .comm_model import ulysses_traffic, window_sp_traffic
-from .models.nadit.config import NaDiTConfig
-from .windows.schedule import SchedulePlan, plan_schedule
+from ...windows.traffic import ulysses_traffic, window_sp_traffic
+from .nadit.config import NaDiTConfig
+from ...windows.schedule import SchedulePlan, plan_schedule
 
 BF16 = 2
 
@@ -51,7 +51,7 @@ def summarize(schedule: SchedulePlan, cfg: NaDiTConfig) -> dict:
 
 
 def _window_size(plan) -> tuple[int, int, int]:
-    from .windows.geometry import window_size
+    from ...windows.geometry import window_size
 
     return window_size(plan.layout.grid, plan.layout.num_windows)
 

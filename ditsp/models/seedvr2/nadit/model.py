@@ -18,10 +18,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ...config import ParallelConfig, ParallelConfigError
-from ...dist.comm import Comm
-from ...windows.runtime import WindowRuntime
-from ...attention.window import WindowPack
+from ....config import ParallelConfig, ParallelConfigError
+from ....dist.comm import Comm
+from ....windows.runtime import WindowRuntime
+from ....attention.window import WindowPack
 from .blocks import ATTN, SCALE, SHIFT, NaMMSRBlock, emb_slots, rms_norm
 from .config import NaDiTConfig
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...attention.window import WindowPack, window_attention
+from ....attention.window import WindowPack, window_attention
 from .config import NaDiTConfig
 from .rope import MMRope3d
 

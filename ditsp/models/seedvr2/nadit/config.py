@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ...windows.geometry import REGULAR, SHIFTED, canonical_method
+from ....windows.geometry import REGULAR, SHIFTED, canonical_method
 
 
 def swiglu_hidden(dim: int, expand_ratio: int = 4) -> int:

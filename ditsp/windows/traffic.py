@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .windows.schedule import SchedulePlan
+from .schedule import SchedulePlan
 
 
 @dataclass(frozen=True)

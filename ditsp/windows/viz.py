@@ -10,7 +10,7 @@ import numpy as np  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
-from .windows.schedule import SchedulePlan  # noqa: E402
+from .schedule import SchedulePlan  # noqa: E402
 
 
 def _rank_colors(world: int):
