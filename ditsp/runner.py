@@ -90,14 +90,10 @@ def build_for(spec: RunSpec, device: torch.device | str = "cpu"):
 
 def make_runtime(model, spec: RunSpec, group):
     """The execution path's runtime for this SP group."""
-    if spec.path == "window":
-        return model.build_runtime(ParallelConfig(ulysses_degree=spec.sp, window_planner=spec.planner), spec.grid,
-                                   group, spec.planner)
-    if spec.path == "ulysses":
-        from .models.seedvr2.nadit.ulysses_path import build_ulysses_runtime
+    from .models.seedvr2.parallelize import parallelize
 
-        return build_ulysses_runtime(model.cfg, spec.grid, group)
-    raise ValueError(f"unknown path {spec.path!r}; choose window or ulysses")
+    pc = ParallelConfig(ulysses_degree=spec.sp, window_planner=spec.planner)
+    return parallelize(model.cfg, pc, spec.grid, group, spec.planner, spec.path)
 
 
 def rank_forward(ctx: RankContext, spec: RunSpec, return_output: bool = True) -> dict:

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from ditsp.config import ParallelConfig, ParallelConfigError
-from ditsp.models.seedvr2.nadit import SEEDVR2_3B, TINY, NaDiT, build_runtime, x0_from_v
+from ditsp.models.seedvr2.nadit import SEEDVR2_3B, TINY, NaDiT, x0_from_v
+from ditsp.models.seedvr2.parallelize import parallelize
 from ditsp.models.seedvr2.nadit.model import build_model, patchify, random_inputs, unpatchify
 from ditsp.windows.geometry import window_layout
 
@@ -79,22 +80,22 @@ def test_x0_from_v():
 
 
 def test_build_runtime_validates_for_seedvr2():
-    rt = build_runtime(TINY, ParallelConfig(), GRID)
-    assert rt.world_size == 1 and NaDiT(TINY).run_report(rt) == (
+    rt = parallelize(TINY, ParallelConfig(), GRID)
+    assert rt.world_size == 1 and rt.report(heads=TINY.heads) == (
         "window-aligned Plan A, planner lpt, SP=1, 3 heads on every rank")
     for bad in (dict(ring_degree=2), dict(use_allgather=True), dict(advanced_uaa=True),
                 dict(ulysses_a2a_permute=True)):
         with pytest.raises(ParallelConfigError, match="window"):
-            build_runtime(TINY, ParallelConfig(**bad), GRID)
+            parallelize(TINY, ParallelConfig(**bad), GRID)
     with pytest.raises(ParallelConfigError, match="needs an SP group of 2"):
-        build_runtime(TINY, ParallelConfig(ulysses_degree=2), GRID)
+        parallelize(TINY, ParallelConfig(ulysses_degree=2), GRID)
 
 
 def test_forward_rejects_a_runtime_for_another_grid():
     model = build_model(TINY)
     vid, txt = random_inputs(TINY, GRID)
     with pytest.raises(ValueError, match="runtime planned grid"):
-        model(vid, txt, 1000.0, runtime=build_runtime(TINY, None, (5, 20, 38)))
+        model(vid, txt, 1000.0, runtime=parallelize(TINY, None, (5, 20, 38)))
 
 
 # ------------------------------------------------------------------ single device vs window SP
@@ -106,7 +107,7 @@ def sp_vs_single(ctx, grid, dtype_name, seed=3):
     model = build_model(TINY, seed=seed, dtype=dtype)
     vid, txt = random_inputs(TINY, grid, seed=seed)
     single = model(vid, txt, 1000.0)
-    rt = build_runtime(TINY, ParallelConfig(ulysses_degree=ctx.world_size), grid, ctx.group)
+    rt = parallelize(TINY, ParallelConfig(ulysses_degree=ctx.world_size), grid, ctx.group)
     out = model(vid, txt, 1000.0, runtime=rt)
     return ((out.float() - single.float()).abs().max() / single.float().abs().max()).item(), \
         rt.plan(0).rank_windows[ctx.rank]

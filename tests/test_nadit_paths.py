@@ -3,16 +3,16 @@
 import pytest
 import torch
 
-from ditsp.models.seedvr2.nadit.ulysses_path import even_shares
+from ditsp.attention.common import even_splits
 from ditsp.runner import RunSpec, build_for, rank_forward
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_even_shares():
-    assert even_shares(20, 8) == [3, 3, 3, 3, 2, 2, 2, 2]
-    assert even_shares(3, 4) == [1, 1, 1, 0]
-    assert sum(even_shares(75600, 7)) == 75600
+def test_even_splits_for_rows_and_heads():
+    assert even_splits(20, 8) == [3, 3, 3, 3, 2, 2, 2, 2]
+    assert even_splits(3, 4) == [1, 1, 1, 0]
+    assert sum(even_splits(75600, 7)) == 75600
 
 
 @pytest.fixture(scope="module")

@@ -104,7 +104,7 @@ def naive_window_attention(q, k, v, tq, tk, tv, shapes, rope: MMRope3d):
 
 @torch.no_grad()
 def test_text_output_is_the_unweighted_mean_over_windows():
-    from ditsp.windows.runtime import WindowRuntime
+    from ditsp.sp import WindowRuntime
 
     torch.manual_seed(0)
     attn = WindowMMAttention(TINY, shared=False)

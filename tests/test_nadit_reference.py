@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from ditsp.config import ParallelConfig
-from ditsp.models.seedvr2.nadit import NaDiT, TINY, build_runtime, load_checkpoint
+from ditsp.models.seedvr2.nadit import NaDiT, TINY, load_checkpoint
+from ditsp.models.seedvr2.parallelize import parallelize
 
 DATA = Path(__file__).parent / "data" / "nadit-3b-tiny"
 REL_TOL = 1e-5
@@ -26,9 +27,9 @@ def io():
 @torch.no_grad()
 def sp_forward(ctx):
     model, d = reference_model(), io()
-    rt = build_runtime(TINY, ParallelConfig(ulysses_degree=ctx.world_size), model.grid_of(d["vid_in"].shape), ctx.group)
+    rt = parallelize(TINY, ParallelConfig(ulysses_degree=ctx.world_size), model.grid_of(d["vid_in"].shape), ctx.group)
     out = model(d["vid_in"], d["txt_in"], d["timestep"], runtime=rt)
-    return out, model.run_report(rt), rt.comm.stats.as_dict()
+    return out, rt.report(heads=TINY.heads), rt.comm.stats.as_dict()
 
 
 def rel_err(out, ref):

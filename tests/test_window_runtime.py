@@ -12,7 +12,7 @@ from ditsp.dist.agree import DisagreementError
 from ditsp.dist.comm import Comm
 from ditsp.dist.launcher import RankError
 from ditsp.windows.geometry import window_layout
-from ditsp.windows.runtime import WindowRuntime
+from ditsp.sp import WindowRuntime
 from ditsp.windows.schedule import plan_schedule
 
 pytestmark = pytest.mark.timeout(180)

@@ -29,7 +29,7 @@ from .ulysses import head_plan, to_heads, to_seq
 
 
 def _comm(group, stats: CommStats) -> Comm:
-    return Comm.single(stats) if group is None else Comm(group, stats)
+    return Comm.of(group, stats)
 
 
 class SPAttention:

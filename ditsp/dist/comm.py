@@ -83,6 +83,13 @@ class Comm:
         obj.group, obj.rank, obj.world_size, obj.stats = None, 0, 1, stats or CommStats()
         return obj
 
+    @classmethod
+    def of(cls, group: dist.ProcessGroup | None, stats: CommStats | None = None) -> "Comm":
+        """The Comm of ``group``; ``None`` (or a one-rank group) is the single-device Comm."""
+        if group is None or dist.get_world_size(group) == 1:
+            return cls.single(stats)
+        return cls(group, stats)
+
     # -- collectives ---------------------------------------------------------
 
     def all_to_all_single(

@@ -2,9 +2,9 @@
 
 from .checkpoint import CheckpointError, load_checkpoint, load_text_embedding, read_state_dict
 from .config import PRESETS, SEEDVR2_3B, SMALL, TINY, NaDiTConfig, get_config
-from .model import NaDiT, build_runtime, x0_from_v
+from .model import NaDiT, x0_from_v
 
 __all__ = [
-    "NaDiT", "NaDiTConfig", "build_runtime", "x0_from_v", "get_config", "PRESETS", "SEEDVR2_3B", "TINY", "SMALL",
+    "NaDiT", "NaDiTConfig", "x0_from_v", "get_config", "PRESETS", "SEEDVR2_3B", "TINY", "SMALL",
     "load_checkpoint", "load_text_embedding", "read_state_dict", "CheckpointError",
 ]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ....attention.window import WindowPack, window_attention
+from ....attention.window import WindowPack
 from .config import NaDiTConfig
 from .rope import MMRope3d
 
@@ -117,9 +117,7 @@ class WindowMMAttention(nn.Module):
         tq, tk, tv = self._qkv(txt, "txt")
         tq, tk = self.rope.text(tq), self.rope.text(tk)
         L = txt.shape[0]
-        # Local window attention; a runtime that owns attention (the Ulysses baseline) provides ``attend``.
-        attend = getattr(runtime, "attend", window_attention)
-        out, tsum = attend(q, k, v, tq if txt_out else None, tk, tv, pack, lambda x, shape: self.rope.video(x, shape, L))
+        out, tsum = runtime.attend(q, k, v, tq if txt_out else None, tk, tv, pack, lambda x, shape: self.rope.video(x, shape, L))
         vid = self.proj_out.get("vid")(out.flatten(1))
         if not txt_out:
             return vid, None

@@ -1,7 +1,8 @@
 """NaDiT: the SeedVR2 3B diffusion transformer (reference ``models/dit_v2``), one code path.
 
-The forward always runs through a :class:`WindowRuntime`: a one-rank runtime
-on a single device, the SP group's runtime under window-aligned SP. Each rank
+The forward always runs through an SP runtime (:class:`ditsp.sp.SPRuntime`):
+a one-rank window runtime on a single device, the SP group's runtime under
+window-aligned SP or the Ulysses baseline (see ``..parallelize``). Each rank
 keeps only its own video rows from the patch embedding to the output
 projection (everything but attention is tokenwise), text is replicated, and
 the runtime re-shards at layout changes, reduces the per-window text outputs
@@ -14,14 +15,10 @@ import math
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ....config import ParallelConfig, ParallelConfigError
-from ....dist.comm import Comm
-from ....windows.runtime import WindowRuntime
-from ....attention.window import WindowPack
+from ....sp import SPRuntime, WindowRuntime, check_request
 from .blocks import ATTN, SCALE, SHIFT, NaMMSRBlock, emb_slots, rms_norm
 from .config import NaDiTConfig
 
@@ -124,65 +121,34 @@ class NaDiT(nn.Module):
         return (T // pt, H // ph, W // pw)
 
     def single_runtime(self, grid: Sequence[int], planner: str = "lpt") -> WindowRuntime:
+        """The one-rank runtime: the single-device forward."""
         return WindowRuntime.single(grid, self.cfg.window_methods, self.cfg.num_windows, torch.float32, planner)
 
-    def build_runtime(self, parallel_config: ParallelConfig | None = None, grid: Sequence[int] = (), group=None,
-                      planner: str | None = None) -> WindowRuntime:
-        return build_runtime(self.cfg, parallel_config, grid, group, planner)
-
-    def run_report(self, runtime: WindowRuntime) -> str:
-        return runtime.report(heads=self.cfg.heads)
-
-    def forward(self, vid: torch.Tensor, txt: torch.Tensor, timestep, runtime: WindowRuntime | None = None
+    def forward(self, vid: torch.Tensor, txt: torch.Tensor, timestep, runtime: SPRuntime | None = None
                 ) -> torch.Tensor:
         """vid (T, H, W, 33) latent, txt (L, txt_in_dim), timestep scalar -> v (T, H, W, 16).
 
         ``runtime`` None runs on this device alone; under SP pass the group's
-        runtime (:func:`build_runtime`) and every rank returns the full output.
+        runtime (:func:`ditsp.models.seedvr2.parallelize.parallelize`) and every rank returns the full output.
         """
         cfg, dtype = self.cfg, self.dtype
         grid = self.grid_of(vid.shape)
         rt = runtime or self.single_runtime(grid)
-        if tuple(rt.schedule.grid) != grid or tuple(rt.schedule.layer_methods) != cfg.window_methods:
-            raise ValueError(f"runtime planned grid {rt.schedule.grid} / its schedule, model needs {grid} / "
-                             f"{len(cfg.window_methods)} layers of {cfg.name}")
+        check_request(rt, grid, cfg.window_methods, cfg.name)
         t = torch.as_tensor(timestep, dtype=torch.float32, device=vid.device).reshape(-1)[:1]
         emb = self.emb_in(t, dtype)[0]  # one clip, one timestep: one emb serves every token
         x = rt.scatter(patchify(vid.to(dtype), cfg.patch_size), 0)
         x = self.vid_in.proj(x)
         txt = self.txt_in(txt.to(dtype))
-        packs: dict[str, WindowPack] = {}
         for i, block in enumerate(self.blocks):
             x = rt.enter_layer(x, i)
-            method = rt.schedule.layer_methods[i]
-            if method not in packs:
-                packs[method] = WindowPack.build(rt.local_window_shapes(i), x.device)
-            x, txt = block(x, txt, emb, packs[method], rt, i)
+            x, txt = block(x, txt, emb, rt.window_pack(i, x.device), rt, i)
         # Effective vid_out_ada (facts §4): the block-0 attn shift/scale slot plus out_shift/out_scale.
         e = emb_slots(emb)
         y = rms_norm(x, self.vid_out_norm.weight, cfg.norm_eps)
         y = y * (e[:, ATTN, SCALE] + self.vid_out_ada.out_scale) + (e[:, ATTN, SHIFT] + self.vid_out_ada.out_shift)
         y = self.vid_out.proj(y)  # tokenwise: gather the 64-wide output, not the hidden state
         return unpatchify(rt.gather(y), grid, cfg.patch_size)
-
-
-def build_runtime(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: Sequence[int], group=None,
-                  planner: str | None = None) -> WindowRuntime:
-    """Validate ``parallel_config`` for SeedVR2 and build the window-aligned SP runtime on ``group``.
-
-    ``group`` is the SP process group (its size must be ``ulysses_degree``);
-    None means one rank. Text sums are reduced in fp32 whatever the model dtype.
-    """
-    pc = parallel_config or ParallelConfig()
-    world = 1 if group is None else dist.get_world_size(group)
-    pc.validate("seedvr2", pc.sp_degree)  # the SeedVR2 rejections first, whatever the group
-    if pc.sp_degree != world:
-        raise ParallelConfigError(
-            f"window-aligned SP degree {pc.sp_degree} needs an SP group of {pc.sp_degree} ranks, got {world}")
-    planner = planner or pc.window_planner
-    if group is None:
-        return WindowRuntime.single(grid, cfg.window_methods, cfg.num_windows, torch.float32, planner)
-    return WindowRuntime(grid, cfg.window_methods, Comm(group), planner, cfg.num_windows, torch.float32)
 
 
 @torch.no_grad()

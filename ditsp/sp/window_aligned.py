@@ -1,6 +1,11 @@
-"""Per-request window-aligned SP runtime: the only thing a window model talks to.
+"""Window-aligned SP ("Plan A"): whole windows per rank, all heads on every rank.
 
-It owns the layer schedule and its plans, the entry distribution (each rank
+"Plan A" means the full activation is re-sharded at every window-layout
+change: each rank holds whole windows of the current layout, so attention
+needs no communication, and where the next layer's layout differs one
+all-to-all moves every row to the rank owning its new window.
+
+The runtime owns the layer schedule and its plans, the entry distribution (each rank
 keeps only its own rows from the patch embedding on), the layout changes
 between layers, the text reduction and the final gather. With one rank it
 runs the same code with local permutations and no collectives, which is how
@@ -13,16 +18,18 @@ from typing import Sequence
 
 import torch
 
+from ..attention.window import WindowPack, window_attention
 from ..dist.agree import agree
 from ..dist.comm import Comm
-from .exchange import exchange
-from .geometry import canonical_method, short_name
-from .planner import Plan
-from .schedule import SchedulePlan, plan_schedule
+from ..windows.exchange import exchange
+from ..windows.geometry import canonical_method, short_name
+from ..windows.planner import Plan
+from ..windows.schedule import SchedulePlan, plan_schedule
+from .protocol import RopeFn
 
 
 class WindowRuntime:
-    """Window-aligned SP for one request (grid) on one SP group."""
+    """Window-aligned SP for one request (grid) on one SP group; implements :class:`SPRuntime`."""
 
     def __init__(
         self,
@@ -52,6 +59,7 @@ class WindowRuntime:
         )
         self.schedule: SchedulePlan = plan_schedule(grid, methods, comm.world_size, planner, num_windows)
         self.current: str | None = None
+        self._packs: dict = {}  # (method, device) -> WindowPack
 
     @classmethod
     def single(cls, grid, layer_methods, num_windows=(4, 3, 3), dtype=torch.float32, planner="lpt") -> "WindowRuntime":
@@ -59,6 +67,14 @@ class WindowRuntime:
         return cls(grid, layer_methods, Comm.single(), planner, num_windows, dtype)
 
     # -- layout facts --------------------------------------------------------
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return tuple(self.schedule.grid)
+
+    @property
+    def layer_methods(self) -> tuple[str, ...]:
+        return tuple(self.schedule.layer_methods)
 
     @property
     def num_layers(self) -> int:
@@ -70,6 +86,12 @@ class WindowRuntime:
     def local_window_shapes(self, layer: int) -> list[tuple[int, int, int]]:
         plan = self.plan(layer)
         return [plan.layout.window_shape(i) for i in plan.rank_windows[self.rank]]
+
+    def window_pack(self, layer: int, device) -> WindowPack:
+        key = (self.schedule.layer_methods[layer], str(device))
+        if key not in self._packs:
+            self._packs[key] = WindowPack.build(self.local_window_shapes(layer), device)
+        return self._packs[key]
 
     def local_token_ids(self, layer: int) -> torch.Tensor:
         """Canonical ids of this rank's rows in ``layer``'s layout, in local order."""
@@ -103,6 +125,10 @@ class WindowRuntime:
         if self.current is None:
             raise RuntimeError("scatter() the input before entering a layer")
         return self.ensure_layout(x, self.current, self.schedule.layer_methods[layer])
+
+    def attend(self, q, k, v, tq, tk, tv, pack: WindowPack, rope: RopeFn | None = None):
+        """Local window attention: every window's rows are on this rank, no communication."""
+        return window_attention(q, k, v, tq, tk, tv, pack, rope)
 
     def reduce_text(self, txt_sum: torch.Tensor, layer: int) -> torch.Tensor:
         """Plain mean over all windows of ``layer``: local sum -> SUM all-reduce -> / window count.

@@ -1,0 +1,48 @@
+"""Apply SP to a SeedVR2 NaDiT from outside the model: pick and build its runtime.
+
+The model code never decides how it is parallelised. For one request (its
+post-patch grid) and an SP group, :func:`parallelize` checks the parallel
+configuration against what SeedVR2 can run (window attention only: no ring,
+no uneven-head Ulysses, no permuted transport) and returns the runtime the
+model's forward takes:
+
+- ``path="window"`` (default): window-aligned SP, planner from the config;
+- ``path="ulysses"``: the Ulysses baseline (contiguous token shards, heads
+  moved around window attention), for comparison.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ...config import ParallelConfig, ParallelConfigError
+from ...dist.comm import Comm
+from ...sp import SPRuntime, UlyssesWindowRuntime, WindowRuntime
+from .nadit.config import NaDiTConfig
+
+PATHS = ("window", "ulysses")
+
+
+def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: Sequence[int], group=None,
+                planner: str | None = None, path: str = "window") -> SPRuntime:
+    """The SP runtime of one request of model ``cfg`` on SP group ``group`` (None: one rank).
+
+    ``group``'s size must equal the configured SP degree. Text sums are
+    reduced in fp32 whatever the model dtype.
+    """
+    pc = parallel_config or ParallelConfig()
+    world = 1 if group is None else dist.get_world_size(group)
+    pc.validate("seedvr2", pc.sp_degree)  # the SeedVR2 rejections first, whatever the group
+    if pc.sp_degree != world:
+        raise ParallelConfigError(
+            f"window-aligned SP degree {pc.sp_degree} needs an SP group of {pc.sp_degree} ranks, got {world}")
+    comm = Comm.of(group)
+    if path == "window":
+        return WindowRuntime(grid, cfg.window_methods, comm, planner or pc.window_planner, cfg.num_windows,
+                             torch.float32)
+    if path == "ulysses":
+        return UlyssesWindowRuntime(grid, cfg.window_methods, cfg.heads, comm, cfg.num_windows, torch.float32)
+    raise ValueError(f"unknown SP path {path!r}; choose from {', '.join(PATHS)}")

@@ -1,0 +1,83 @@
+"""The SP runtime protocol: the whole interface between a window model and its parallelism.
+
+A model never calls a collective and never looks inside a plan. Per request it
+gets one runtime and, in forward order, calls:
+
+1. ``scatter(x_canonical, 0)``: this rank's rows of the canonical token rows
+   (canonical order: ``(t*H + h)*W + w``) for layer 0;
+2. per layer ``i``: ``enter_layer(x, i)`` (the rows this rank must hold for
+   layer ``i``), ``window_pack(i, device)`` (its local windows, grouped by
+   shape), ``attend(...)`` (window attention over those windows; the text
+   output comes back summed over the local windows), and
+   ``reduce_text(tsum, i)`` (the mean over *all* windows of the layer);
+3. ``gather(y_local)``: every rank's output rows back in canonical order.
+
+``report()`` names the execution path for run reports. A runtime with one
+rank runs the same code without collectives: that is the single-device path.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from ..attention.window import WindowPack
+from ..dist.comm import Comm
+
+RopeFn = Callable[[torch.Tensor, tuple[int, int, int]], torch.Tensor]
+
+
+@runtime_checkable
+class SPRuntime(Protocol):
+    """What a window-attention model calls; see the module docstring for the order."""
+
+    comm: Comm  # the SP group, with counted collectives
+    rank: int
+    world_size: int
+    dtype: torch.dtype  # dtype of the text reduction (agreed by every rank)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """Post-patch token grid (T, H, W) this runtime was planned for."""
+
+    @property
+    def layer_methods(self) -> tuple[str, ...]:
+        """Canonical window method of each layer."""
+
+    def scatter(self, x_canonical: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """This rank's rows of ``(N, C)`` canonical rows, for ``layer``."""
+
+    def enter_layer(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """Rows as ``layer`` needs them (moved between ranks where the layout changes)."""
+
+    def local_window_shapes(self, layer: int) -> list[tuple[int, int, int]]:
+        """Shapes of the windows whose rows this rank's attention covers, in row order."""
+
+    def window_pack(self, layer: int, device: torch.device | str) -> WindowPack:
+        """:meth:`local_window_shapes` as a :class:`WindowPack` (cached per layout)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Tensor | None,
+               tk: torch.Tensor, tv: torch.Tensor, pack: WindowPack, rope: RopeFn | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Window attention of local rows ``q, k, v`` (n, H, D) with text ``tq, tk, tv`` (L, H, D).
+
+        Returns the video output (n, H, D) and the fp32 text output summed over
+        the windows this rank attended (None when ``tq`` is None).
+        """
+
+    def reduce_text(self, txt_sum: torch.Tensor, layer: int) -> torch.Tensor:
+        """Mean of the per-window text outputs over all windows of ``layer``."""
+
+    def gather(self, y_local: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows back to canonical order, on every rank."""
+
+    def report(self, heads: int | None = None) -> str:
+        """One line naming the path, e.g. for `ditsp run`."""
+
+
+def check_request(runtime: SPRuntime, grid: Sequence[int], layer_methods: Sequence[str], model: str) -> None:
+    """Raise ValueError unless ``runtime`` was planned for this grid and layer schedule."""
+    if tuple(runtime.grid) != tuple(grid) or tuple(runtime.layer_methods) != tuple(layer_methods):
+        raise ValueError(f"runtime planned grid {tuple(runtime.grid)} with {len(runtime.layer_methods)} layers; "
+                         f"{model} needs grid {tuple(grid)} with {len(layer_methods)} layers")
