@@ -1,0 +1,103 @@
+"""Colour correction of the restored frames against the (transformed) input.
+
+Three methods, all on ``(T, 3, H, W)`` values in [-1, 1], frame by frame:
+
+* ``"wavelet"`` (the reference's choice): an a-trous pyramid of five
+  dilated 3x3 binomial blurs (dilations 1, 2, 4, 8, 16, edge-replicated
+  padding, dilation never capped even when wider than the frame). The
+  result keeps the restored video's high frequencies and takes the lowest
+  band from the input: ``high(content) + low(style)``. Not clamped.
+* ``"adain"``: per frame and channel, re-standardise the content to the
+  input's mean and (unbiased) standard deviation.
+* ``"none"``: the content unchanged.
+
+The content side runs in the content's dtype: the reference hands the
+decoded video over in bf16, which moves the result by up to ~0.0075
+compared with fp32 content.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+METHODS = ("wavelet", "adain", "none")
+WAVELET_LEVELS = 5
+ADAIN_EPS = 1e-5
+
+_BINOMIAL = torch.tensor([1.0, 2.0, 1.0]) / 4.0
+
+
+def _kernel(channels: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    k = torch.outer(_BINOMIAL, _BINOMIAL)  # [[1,2,1],[2,4,2],[1,2,1]] / 16
+    return k.to(dtype=dtype, device=device).expand(channels, 1, 3, 3).contiguous()
+
+
+def wavelet_blur(x: torch.Tensor, radius: int) -> torch.Tensor:
+    """One binomial 3x3 blur with dilation ``radius`` on edge-replicated ``(N, C, H, W)``."""
+    if x.ndim != 4:
+        raise ValueError(f"expected (N, C, H, W), got shape {tuple(x.shape)}")
+    c = x.shape[1]
+    padded = F.pad(x, (radius, radius, radius, radius), mode="replicate")
+    return F.conv2d(padded, _kernel(c, x.dtype, x.device), groups=c, dilation=radius)
+
+
+def wavelet_decomposition(x: torch.Tensor, levels: int = WAVELET_LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(high, low)``: the sum of the ``levels`` detail bands and the residual low band."""
+    high = torch.zeros_like(x)
+    for i in range(levels):
+        low = wavelet_blur(x, 2**i)
+        high = high + (x - low)
+        x = low
+    return high, x
+
+
+def wavelet_color_fix(content: torch.Tensor, style: torch.Tensor, levels: int = WAVELET_LEVELS) -> torch.Tensor:
+    """``high(content) + low(style)`` for ``(T, 3, H, W)`` tensors of the same size."""
+    _check(content, style)
+    content_high, _ = wavelet_decomposition(content, levels)
+    _, style_low = wavelet_decomposition(style, levels)
+    return content_high + style_low
+
+
+def _mean_std(x: torch.Tensor, eps: float = ADAIN_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    n, c = x.shape[:2]
+    flat = x.reshape(n, c, -1)
+    std = (flat.var(dim=2) + eps).sqrt().reshape(n, c, 1, 1)
+    mean = flat.mean(dim=2).reshape(n, c, 1, 1)
+    return mean, std
+
+
+def adain_color_fix(content: torch.Tensor, style: torch.Tensor) -> torch.Tensor:
+    """Per frame and channel: ``(content - mean_c) / std_c * std_s + mean_s`` (unbiased variance)."""
+    _check(content, style)
+    mc, sc = _mean_std(content)
+    ms, ss = _mean_std(style)
+    return (content - mc) / sc * ss + ms
+
+
+def apply_color_fix(
+    content: torch.Tensor, style: torch.Tensor, method: str = "wavelet", *, chunk: int | None = 8
+) -> torch.Tensor:
+    """Apply ``method`` (one of ``METHODS``) to ``(T, 3, H, W)`` content against style.
+
+    Runs ``chunk`` frames at a time to bound the temporaries (exact: every
+    method works frame by frame); ``chunk=None`` does all frames at once.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown colour fix {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "none":
+        return content
+    _check(content, style)
+    fn = wavelet_color_fix if method == "wavelet" else adain_color_fix
+    t = content.shape[0]
+    if chunk is None or chunk >= t:
+        return fn(content, style)
+    return torch.cat([fn(content[i : i + chunk], style[i : i + chunk]) for i in range(0, t, chunk)])
+
+
+def _check(content: torch.Tensor, style: torch.Tensor) -> None:
+    if content.ndim != 4 or content.shape != style.shape:
+        raise ValueError(
+            f"content {tuple(content.shape)} and style {tuple(style.shape)} must be equal (T, C, H, W) shapes"
+        )

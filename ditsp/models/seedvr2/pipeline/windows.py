@@ -1,0 +1,273 @@
+"""Long videos: overlapping temporal windows and a streaming cross-fade.
+
+A clip longer than one window is restored window by window. Windows hold
+``window`` frames (``4n + 1``, so the causal VAE needs no padding) and
+consecutive windows share at least ``overlap`` frames:
+
+* the plan uses the fewest windows that cover the clip with every overlap
+  at least ``overlap`` frames, all of the full length (the same tensor shapes
+  for every window, full temporal context at the clip's end too), with the
+  starts spread evenly from frame 0 to ``frames - window``: the leftover
+  frames become a little more overlap everywhere instead of a short or a
+  heavily overlapping last window;
+* a clip no longer than one window is a single window of the clip's length
+  (the caller pads it to ``4n + 1``).
+
+Every window has its own deterministic noise seed (``window_seed``), so the
+result depends only on the clip, the seed and the window settings, never on
+the SP degree or the number of ranks.
+
+In an overlap of ``L`` frames between windows ``i`` and ``i + 1`` the weights
+follow a raised cosine sampled at frame centres: at position ``k`` the
+earlier window weighs ``0.5 + 0.5 cos(pi (k + 0.5) / L)`` and the later one
+the rest, so neither ever switches hard. When more than two windows cover a
+frame (possible when the overlap is close to half a window) the per-window
+weights are renormalised to sum to one.
+
+``StreamingBlender`` takes restored windows in order and yields finished
+frames in order, holding only the frames still shared with the next window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .condition import window_seed
+
+VAE_TEMPORAL = 4
+
+
+@dataclass(frozen=True)
+class Window:
+    """Frames ``[start, stop)`` of the clip, restored with noise seed ``seed``."""
+
+    index: int
+    start: int
+    stop: int
+    seed: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """The windows of a clip, with their blend weights."""
+
+    frames: int
+    window: int
+    overlap: int
+    windows: tuple[Window, ...]
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __iter__(self) -> Iterator[Window]:
+        return iter(self.windows)
+
+    def __getitem__(self, i: int) -> Window:
+        return self.windows[i]
+
+    def weights(self, i: int) -> torch.Tensor:
+        """Blend weights (fp64, one per frame of window ``i``) after renormalisation."""
+        return _normalised_weights(self)[i]
+
+    def covering(self, frame: int) -> list[int]:
+        """Indices of the windows that contain ``frame``."""
+        return [w.index for w in self.windows if w.start <= frame < w.stop]
+
+    def seam_transitions(self) -> list[int]:
+        """Frame indices ``t`` whose step ``t - 1 -> t`` crosses blending between windows.
+
+        For each pair of consecutive windows: from the first shared frame to
+        one past the last shared frame (just the new window's first frame
+        when they share nothing).
+        """
+        out: set[int] = set()
+        for a, b in zip(self.windows, self.windows[1:]):
+            out.update(range(b.start, max(a.stop, b.start) + 1))
+        return sorted(t for t in out if 0 < t < self.frames)
+
+
+def check_window(window: int, overlap: int) -> None:
+    """Raise ``ValueError`` unless ``window`` is 4n+1 and ``0 <= overlap < window``."""
+    if window < 1 or (window - 1) % VAE_TEMPORAL:
+        raise ValueError(f"window must be 4n+1 frames (5, 9, ..., 21, ..., 121), got {window}")
+    if not 0 <= overlap < window:
+        raise ValueError(f"overlap must be in [0, window) = [0, {window}), got {overlap}")
+
+
+def plan_windows(frames: int, window: int, overlap: int = 4, seed: int = 0) -> WindowPlan:
+    """Windows of ``window`` frames sharing ``overlap`` frames that cover ``frames`` frames."""
+    if frames < 1:
+        raise ValueError(f"a clip needs at least one frame, got {frames}")
+    check_window(window, overlap)
+    if frames <= window:
+        return WindowPlan(frames, window, overlap, (Window(0, 0, frames, window_seed(seed, 0)),))
+    # As few full-length windows as keep every overlap >= ``overlap``, spread evenly.
+    span = frames - window  # total distance the window start travels
+    steps = -(-span // (window - overlap))  # ceil
+    starts = [(i * span + steps // 2) // steps for i in range(steps + 1)]
+    wins = tuple(Window(i, s, s + window, window_seed(seed, i)) for i, s in enumerate(starts))
+    return WindowPlan(frames, window, overlap, wins)
+
+
+def ramp_down(length: int) -> torch.Tensor:
+    """Raised-cosine weights of the earlier window over an overlap of ``length`` frames (fp64)."""
+    k = torch.arange(length, dtype=torch.float64)
+    return 0.5 + 0.5 * torch.cos(math.pi * (k + 0.5) / length)
+
+
+def _raw_weights(plan: WindowPlan) -> list[torch.Tensor]:
+    out = []
+    ws = plan.windows
+    for i, w in enumerate(ws):
+        wt = torch.ones(w.length, dtype=torch.float64)
+        if i > 0:  # fade in over the frames shared with the previous window
+            n = max(0, ws[i - 1].stop - w.start)
+            if n:
+                wt[:n] *= 1.0 - ramp_down(n)
+        if i + 1 < len(ws):  # fade out over the frames shared with the next window
+            n = max(0, w.stop - ws[i + 1].start)
+            if n:
+                wt[w.length - n :] *= ramp_down(n)
+        out.append(wt)
+    return out
+
+
+_CACHE: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+
+
+def _normalised_weights(plan: WindowPlan) -> list[torch.Tensor]:
+    key = (plan.frames, plan.window, plan.overlap)
+    got = _CACHE.get(key)
+    if got is not None and len(got) == len(plan.windows):
+        return got
+    raw = _raw_weights(plan)
+    total = torch.zeros(plan.frames, dtype=torch.float64)
+    for w, wt in zip(plan.windows, raw):
+        total[w.start : w.stop] += wt
+    out = [wt / total[w.start : w.stop] for w, wt in zip(plan.windows, raw)]
+    if len(_CACHE) > 256:
+        _CACHE.clear()
+    _CACHE[key] = out
+    return out
+
+
+def frame_weights(plan: WindowPlan) -> torch.Tensor:
+    """``(len(plan), frames)`` matrix of each window's weight on each clip frame (zeros outside)."""
+    m = torch.zeros(len(plan), plan.frames, dtype=torch.float64)
+    for w, wt in zip(plan.windows, _normalised_weights(plan)):
+        m[w.index, w.start : w.stop] = wt
+    return m
+
+
+class StreamingBlender:
+    """Cross-fade restored windows into a stream of finished frames.
+
+    ``push(i, frames)`` takes window ``i``'s output (frames on dim 0, exactly
+    ``plan[i].length`` of them, any trailing shape) in window order and
+    returns the clip frames that are now final, in order, as one tensor
+    (possibly empty). Only the frames shared with the next window are kept
+    between calls, accumulated in float32. Frames are returned in
+    ``out_dtype`` (default: the dtype pushed); integer dtypes are rounded and
+    clamped to the dtype's range.
+    """
+
+    def __init__(self, plan: WindowPlan, out_dtype: torch.dtype | None = None):
+        self.plan = plan
+        self.out_dtype = out_dtype
+        self._weights = _normalised_weights(plan)
+        self._next = 0  # next window expected
+        self._emitted = 0  # frames returned so far
+        self._acc: torch.Tensor | None = None  # frames [self._emitted, self._emitted + len) pending
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self.plan)
+
+    @property
+    def emitted(self) -> int:
+        return self._emitted
+
+    @property
+    def held_frames(self) -> int:
+        return 0 if self._acc is None else self._acc.shape[0]
+
+    def push(self, index: int, frames: torch.Tensor) -> torch.Tensor:
+        if index != self._next:
+            raise ValueError(f"windows must be pushed in order: expected window {self._next}, got {index}")
+        w = self.plan[index]
+        if frames.shape[0] != w.length:
+            raise ValueError(f"window {index} covers {w.length} frames, got {frames.shape[0]}")
+        out_dtype = self.out_dtype or frames.dtype
+        wt = self._weights[index].to(torch.float32).reshape(-1, *([1] * (frames.ndim - 1)))
+        contrib = frames.to(torch.float32) * wt.to(frames.device)
+        # The pending accumulator always starts at self._emitted, which is <= w.start.
+        held = self.held_frames
+        offset = w.start - self._emitted
+        if offset < 0 or offset > held:
+            raise RuntimeError("window plan is not contiguous")  # cannot happen with plan_windows
+        need = offset + w.length
+        acc = torch.zeros((need, *frames.shape[1:]), dtype=torch.float32, device=frames.device)
+        if self._acc is not None and held:
+            acc[:held] += self._acc
+        acc[offset:need] += contrib
+        self._next += 1
+        # Frames before the next window's start are final.
+        final_upto = self.plan[self._next].start if self._next < len(self.plan) else self.plan.frames
+        n_final = final_upto - self._emitted
+        ready, rest = acc[:n_final], acc[n_final:]
+        self._acc = rest.clone() if rest.shape[0] else None
+        self._emitted += n_final
+        return _cast(ready, out_dtype)
+
+    def flush(self) -> torch.Tensor | None:
+        """Check that every window arrived (raises otherwise); nothing is ever left over."""
+        if not self.done:
+            raise RuntimeError(f"only {self._next} of {len(self.plan)} windows were pushed")
+        return None
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return x.to(dtype)
+    info = torch.iinfo(dtype)
+    return x.round().clamp(info.min, info.max).to(dtype)
+
+
+def blend_windows(plan: WindowPlan, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """All windows at once (convenience for tests and short clips)."""
+    b = StreamingBlender(plan)
+    parts = [b.push(i, o) for i, o in enumerate(outputs)]
+    b.flush()
+    return torch.cat(parts)
+
+
+def seam_metric(frames: torch.Tensor, boundaries: Sequence[int]) -> dict[str, float]:
+    """Mean absolute frame-to-frame change at window boundaries vs inside windows.
+
+    ``frames`` is ``(T, ...)`` (uint8 or float); ``boundaries`` are frame
+    indices ``t`` whose step ``t - 1 -> t`` counts as a seam (e.g.
+    ``plan.seam_transitions()``). Returns ``seam``, ``inside`` (means over
+    the other steps; NaN when there are none) and ``ratio = seam / inside``.
+    A clean stitch has a ratio near 1.
+    """
+    t = frames.shape[0]
+    if t < 2:
+        raise ValueError("seam_metric needs at least two frames")
+    x = frames.to(torch.float64)
+    step = (x[1:] - x[:-1]).abs().reshape(t - 1, -1).mean(dim=1)  # step[k] = |f[k+1] - f[k]|
+    seam_idx = sorted({b - 1 for b in boundaries if 0 < b < t})
+    mask = torch.zeros(t - 1, dtype=torch.bool)
+    if seam_idx:
+        mask[seam_idx] = True
+    seam = step[mask].mean().item() if mask.any() else float("nan")
+    inside = step[~mask].mean().item() if (~mask).any() else float("nan")
+    ratio = seam / inside if inside and not math.isnan(inside) and not math.isnan(seam) else float("nan")
+    return {"seam": seam, "inside": inside, "ratio": ratio}

@@ -1,0 +1,126 @@
+"""Long-video windows: the plan, the blend weights and the streaming blender (property-based)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ditsp.models.seedvr2.pipeline.windows import (
+    StreamingBlender,
+    blend_windows,
+    frame_weights,
+    plan_windows,
+    ramp_down,
+    seam_metric,
+)
+
+
+@st.composite
+def plans(draw):
+    window = 4 * draw(st.integers(0, 12)) + 1
+    overlap = draw(st.integers(0, window - 1))
+    frames = draw(st.integers(1, 200))
+    seed = draw(st.integers(0, 2**40))
+    return plan_windows(frames, window, overlap, seed)
+
+
+@settings(max_examples=300, deadline=None)
+@given(plans())
+def test_plan_covers_every_frame(plan):
+    ws = plan.windows
+    assert ws[0].start == 0 and ws[-1].stop == plan.frames
+    for w in ws:
+        assert 0 <= w.start < w.stop <= plan.frames
+        assert w.length == min(plan.window, plan.frames)
+    for a, b in zip(ws, ws[1:]):
+        assert a.start < b.start and a.stop < b.stop
+        assert a.stop - b.start >= plan.overlap  # at least the requested overlap, no gaps
+    # the fewest windows that can keep the requested overlap
+    if plan.frames > plan.window:
+        step = plan.window - plan.overlap
+        assert len(ws) == 1 + -(-(plan.frames - plan.window) // step)
+    # deterministic, and seeds differ between windows
+    again = plan_windows(plan.frames, plan.window, plan.overlap, ws[0].seed)
+    assert again == plan
+    assert len({w.seed for w in ws}) == len(ws)
+
+
+@settings(max_examples=300, deadline=None)
+@given(plans())
+def test_weights_sum_to_one_and_never_switch_hard(plan):
+    m = frame_weights(plan)
+    assert torch.allclose(m.sum(0), torch.ones(plan.frames, dtype=torch.float64), atol=1e-12)
+    for w in plan.windows:
+        wt = plan.weights(w.index)
+        assert (wt > 0).all() and (wt <= 1).all()
+    # inside each overlap both windows contribute, so a frame is never a hard cut
+    for a, b in zip(plan.windows, plan.windows[1:]):
+        shared = range(b.start, a.stop)
+        for f in shared:
+            assert 0 < m[a.index, f] < 1 and 0 < m[b.index, f] < 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(plans(), st.sampled_from([torch.float32, torch.uint8]))
+def test_streaming_blender_emits_each_frame_once_in_order(plan, dtype):
+    # Every window reports the global frame index, so the blend must give it back.
+    clip = torch.arange(plan.frames, dtype=torch.float32).reshape(-1, 1, 1)
+    if dtype == torch.uint8:
+        clip = clip % 256
+    b = StreamingBlender(plan)
+    got = []
+    for w in plan.windows:
+        out = b.push(w.index, clip[w.start : w.stop].to(dtype))
+        assert out.dtype == dtype
+        got.append(out)
+        # only the frames shared with the next window are held
+        if w.index + 1 < len(plan):
+            assert b.held_frames == w.stop - plan[w.index + 1].start
+            assert b.emitted == plan[w.index + 1].start
+    b.flush()
+    assert b.held_frames == 0 and b.emitted == plan.frames
+    out = torch.cat(got)
+    assert out.shape[0] == plan.frames
+    assert torch.allclose(out.float(), clip, atol=1e-3 if dtype.is_floating_point else 0)
+
+
+def test_blend_mixes_overlaps_smoothly():
+    plan = plan_windows(17, 9, 1)  # windows [0,9) [8,17): one shared frame -> 50/50
+    assert [(w.start, w.stop) for w in plan] == [(0, 9), (8, 17)]
+    a, b = torch.zeros(9, 1), torch.ones(9, 1)
+    out = blend_windows(plan, [a, b])
+    assert out[8].item() == pytest.approx(0.5) and out[:8].eq(0).all() and out[9:].eq(1).all()
+    r = ramp_down(4)
+    assert torch.allclose(r + r.flip(0), torch.ones(4, dtype=torch.float64))
+    assert (r[:-1] > r[1:]).all()
+
+
+def test_single_window_and_errors():
+    plan = plan_windows(3, 21, 4, seed=9)
+    assert len(plan) == 1 and plan[0].length == 3 and plan[0].seed == 9
+    with pytest.raises(ValueError, match="4n\\+1"):
+        plan_windows(10, 8, 2)
+    with pytest.raises(ValueError, match="overlap"):
+        plan_windows(10, 9, 9)
+    with pytest.raises(ValueError, match="at least one frame"):
+        plan_windows(0, 9, 2)
+    b = StreamingBlender(plan_windows(30, 9, 4))
+    with pytest.raises(ValueError, match="in order"):
+        b.push(1, torch.zeros(9, 1))
+    with pytest.raises(ValueError, match="covers 9 frames"):
+        b.push(0, torch.zeros(5, 1))
+    with pytest.raises(RuntimeError, match="windows were pushed"):
+        b.flush()
+
+
+def test_seam_metric_finds_a_hard_cut():
+    t = torch.arange(20, dtype=torch.float32).reshape(20, 1, 1, 1).expand(20, 4, 4, 3).clone()
+    t[10:] += 50  # a jump between frame 9 and 10
+    m = seam_metric(t, [10])
+    assert m["seam"] == pytest.approx(51) and m["inside"] == pytest.approx(1) and m["ratio"] == pytest.approx(51)
+    plan = plan_windows(30, 9, 4)
+    assert all(0 < t < 30 for t in plan.seam_transitions())
+    smooth = seam_metric(torch.arange(30.0).reshape(30, 1), plan.seam_transitions())
+    assert smooth["ratio"] == pytest.approx(1.0)
