@@ -9,9 +9,6 @@ runs window-aligned SP on the whole SP group instead of head-sharded Ulysses.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import torch.distributed as dist
 
 WINDOW_FAMILIES = {"seedvr2", "nadit"}
 
@@ -85,49 +82,3 @@ class ParallelConfig:
                     f"{family} has window attention only and runs window-aligned SP with all heads on "
                     f"every rank; {what} applies to global-attention SP only: {fix}"
                 )
-
-
-@dataclass(frozen=True)
-class SPGroups:
-    """The groups of this rank: SP group plus its Ulysses (inner) and Ring (outer) sub-groups."""
-
-    sp: Any
-    ulysses: Any
-    ring: Any
-    sp_ranks: tuple[int, ...]
-    ulysses_ranks: tuple[int, ...]
-    ring_ranks: tuple[int, ...]
-
-
-def build_sp_groups(config: ParallelConfig, parent: Any = None) -> SPGroups:
-    """Create the SP, Ulysses and Ring groups of ``parent`` (default: WORLD, passed on explicitly).
-
-    Every rank of ``parent`` must call this (``new_group`` is collective).
-    Parent ranks split into consecutive SP groups of ``sp_degree`` ranks; in
-    each, Ulysses groups are ``ulysses_degree`` consecutive ranks and Ring
-    groups take one rank from each Ulysses group.
-    """
-    parent = parent if parent is not None else dist.group.WORLD
-    ranks = dist.get_process_group_ranks(parent)
-    world = len(ranks)
-    config.validate("global", world)
-    me = dist.get_rank()
-    u, s = config.ulysses_degree, config.sp_degree
-    mine = {}
-    for start in range(0, world, s):
-        sp_ranks = tuple(ranks[start : start + s])
-        _make(mine, "sp", sp_ranks, me)
-        for i in range(0, s, u):
-            _make(mine, "ulysses", sp_ranks[i : i + u], me)
-        for j in range(u):
-            _make(mine, "ring", sp_ranks[j::u], me)
-    return SPGroups(
-        sp=mine["sp"][0], ulysses=mine["ulysses"][0], ring=mine["ring"][0],
-        sp_ranks=mine["sp"][1], ulysses_ranks=mine["ulysses"][1], ring_ranks=mine["ring"][1],
-    )
-
-
-def _make(mine: dict, name: str, ranks: tuple[int, ...], me: int) -> None:
-    group = dist.new_group(list(ranks))
-    if me in ranks:
-        mine[name] = (group, ranks)

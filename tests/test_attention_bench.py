@@ -15,7 +15,7 @@ def test_strategies_for_mesh():
 
 def test_cli_wires_bench_attention():
     args = build_parser().parse_args(["bench", "attention", "--sp", "2", "--seq", "64", "--heads", "4"])
-    assert args.func.__name__ == "cmd_attention" and args.head_dim == 64
+    assert args.func.__name__ == "main" and args.head_dim == 64
 
 
 @pytest.mark.timeout(120)

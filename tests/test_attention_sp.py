@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from ditsp.attention import AllGatherKV, Ring, SPAttention, Ulysses
 from ditsp.attention.common import even_splits, offsets
-from ditsp.config import ParallelConfig, build_sp_groups
+from ditsp.config import ParallelConfig
+from ditsp.dist.groups import build_sp_groups
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

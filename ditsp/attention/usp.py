@@ -3,7 +3,7 @@
 Every strategy is this one composition: Ulysses is ``U=P, R=1``, Ring is
 ``U=1, R=P``, AllGather-KV is ``U=1, R=P`` with the outer axis gathering K/V.
 SP rank ``i = ring_pos * U + ulysses_pos`` (the mesh of
-:func:`ditsp.config.build_sp_groups`) holds the i-th video shard, so the
+:func:`ditsp.dist.groups.build_sp_groups`) holds the i-th video shard, so the
 Ulysses group at ring position j gathers one contiguous chunk of the sequence.
 
 Joint text (replicated on every rank, in front of or behind the local video
@@ -20,7 +20,8 @@ from typing import Sequence
 
 import torch
 
-from ..config import ParallelConfig, SPGroups
+from ..config import ParallelConfig
+from ..dist.groups import SPGroups
 from ..dist.comm import Comm, CommStats
 from .allgather import allgather_attention
 from .common import default_scale, even_splits, gather_lens, gather_rows, ranges

@@ -18,10 +18,11 @@ import torch
 
 from ..attention.common import even_splits
 from ..attention.usp import AllGatherKV, Ring, SPAttention, Ulysses
-from ..config import ParallelConfig, build_sp_groups
+from ..config import ParallelConfig
+from ..dist.groups import build_sp_groups
 from ..dist.comm import Comm
+from ..engine import DTYPES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def strategies_for(sp: int) -> list[tuple[str, int, int]]:
@@ -110,7 +111,7 @@ def format_table(rows: list[dict], cfg: dict) -> str:
     return "\n".join(lines)
 
 
-def cmd_attention(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     if args.sp < 1 or args.seq < 1 or args.heads < 1:
         (parser.error if parser else ValueError)("--sp, --seq and --heads must be >= 1")
     kv = args.kv_heads or args.heads
@@ -142,7 +143,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
     p.add_argument("--strategies", help="comma-separated subset (ulysses,ring,allgather,usp-ring,usp-allgather)")
-    p.set_defaults(func=cmd_attention)
+    p.set_defaults(func=main)
     return p
 
 

@@ -18,7 +18,7 @@ from dataclasses import replace
 from tqdm import tqdm
 
 from ..dist.launcher import LocalCluster
-from ..runner import RunSpec, rank_forward
+from ..engine import RunSpec, rank_forward
 from ..windows.schedule import plan_schedule
 
 PATHS = [("window", "lpt"), ("window", "locality"), ("ulysses", "lpt")]
@@ -51,7 +51,7 @@ def _row(label: str, sp: int, results: list[dict], grid, planner: str | None) ->
 
 def measure(spec: RunSpec, sps: list[int], threads: int = 1, timeout_s: float = 1800.0) -> list[dict]:
     """All paths at every SP degree, plus the single device; one row each."""
-    from ..runner import RankContext
+    from ..dist.launcher import RankContext
     import torch
 
     jobs = [(1, "window", "lpt")] + [(sp, p, pl) for sp in sps for p, pl in PATHS]

@@ -1,0 +1,56 @@
+"""`ditsp plan`: plan window-aligned SP for one request (no GPU, no model) and report it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..models.seedvr2.nadit.config import PRESETS, get_config
+from .common import add_request_args, resolve_grid
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", help="plan window-aligned SP for one request (no GPU, no model)")
+    add_request_args(p)
+    p.add_argument("--sp", type=int, required=True, help="sequence-parallel degree")
+    p.add_argument("--model", default="seedvr2-3b", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int, help="override the model's layer count")
+    p.add_argument("--planner", default="lpt", help="window planner (lpt, ...) or 'all' to compare")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--compact", action="store_true", help="JSON on one line")
+    p.add_argument("--plot", metavar="FILE.png", help="write a picture of the plan")
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ..models.seedvr2.plan_report import format_summary, plan_request, summarize
+    from ..windows.planner import planner_names
+
+    grid, notes = resolve_grid(args, parser)
+    cfg = get_config(args.model, args.layers)
+    planners = planner_names() if args.planner == "all" else [args.planner]
+    summaries, schedules = [], []
+    for name in planners:
+        try:
+            schedule = plan_request(grid, cfg, args.sp, name)
+        except ValueError as e:
+            parser.error(str(e))
+        schedules.append(schedule)
+        summaries.append(summarize(schedule, cfg))
+    if args.json:
+        out = summaries[0] if len(summaries) == 1 else {s["planner"]: s for s in summaries}
+        if notes:
+            (out if len(summaries) == 1 else out).setdefault("notes", notes)
+        print(json.dumps(out, indent=None if args.compact else 2))
+    else:
+        print("\n\n".join(format_summary(s, notes) for s in summaries))
+    if args.plot:
+        from ..windows.viz import plot_schedule
+
+        for schedule in schedules:
+            path = args.plot if len(schedules) == 1 else args.plot.replace(".png", f"-{schedule.planner}.png")
+            plot_schedule(schedule, path)
+            if not args.json:
+                print(f"wrote {path}")
+    return 0

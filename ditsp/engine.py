@@ -1,0 +1,198 @@
+"""The rank-side engine: a model built once per rank, many requests, one dispatch for every launch.
+
+- :class:`Engine` holds one rank's model (built on first use and cached in the
+  rank's process by :class:`ModelSpec`), its SP runtimes (one per request
+  shape, path and planner) and runs forwards through them. A local cluster
+  or a torchrun job that runs many requests builds the model once.
+- :func:`dispatch` runs a rank function on the ranks a request asks for:
+  inside a torchrun job (this process is one rank), in this process for one
+  rank, or on a :class:`~ditsp.dist.launcher.LocalCluster` of spawned ranks.
+- :func:`rank_forward` / :func:`run` are the `ditsp run` job: one NaDiT
+  forward per rank with its time, peak memory and collectives, and optionally
+  the parity against one device.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from .config import ParallelConfig
+from .dist.launcher import LocalCluster, RankContext, init_from_env
+from .memory import PeakMemory
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything that determines a model's weights on a rank (the engine's cache key)."""
+
+    model: str
+    layers: int | None = None
+    checkpoint: str | None = None
+    dtype: str = "fp32"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    model: str
+    grid: tuple[int, int, int]
+    sp: int
+    layers: int | None = None
+    checkpoint: str | None = None
+    dtype: str = "fp32"
+    planner: str = "lpt"
+    path: str = "window"
+    seed: int = 0
+    warmup: int = 0
+    repeats: int = 1
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return ModelSpec(self.model, self.layers, self.checkpoint, self.dtype, self.seed)
+
+
+def build_model(spec: ModelSpec, device: torch.device | str = "cpu"):
+    """The model of ``spec``, identical on every rank (a checkpoint, or seeded weights)."""
+    from .models.seedvr2.nadit.model import build_model as build_nadit
+
+    return build_nadit(spec.model, spec.layers, spec.checkpoint, seed=spec.seed, dtype=DTYPES[spec.dtype],
+                       device=device)
+
+
+def build_for(spec: RunSpec, device: torch.device | str = "cpu"):
+    """Model and seeded inputs of a run spec, identical on every rank."""
+    from .models.seedvr2.nadit.model import random_inputs
+
+    model = Engine.get(spec.model_spec, device).model
+    vid, txt = random_inputs(model.cfg, spec.grid, seed=spec.seed + 1)
+    return model, vid.to(device), txt.to(device)
+
+
+class Engine:
+    """One rank's model and runtimes, reused by every request this process serves."""
+
+    _cache: dict = {}  # (ModelSpec, device) -> Engine, per process
+    MAX_RUNTIMES = 16
+
+    def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu"):
+        self.spec, self.device = spec, torch.device(device)
+        self.model = build_model(spec, self.device)
+        self._runtimes: dict = {}
+
+    @classmethod
+    def get(cls, spec: ModelSpec, device: torch.device | str = "cpu") -> "Engine":
+        """This process's engine for ``spec`` (built on first use; one model per spec kept)."""
+        key = (spec, str(device))
+        if key not in cls._cache:
+            cls._cache.clear()  # one model per rank: drop the old one before building the next
+            cls._cache[key] = cls(spec, device)
+        return cls._cache[key]
+
+    def runtime(self, grid, sp: int, group, path: str = "window", planner: str = "lpt"):
+        """The SP runtime of a request (cached by grid, path, planner and group)."""
+        from .models.seedvr2.parallelize import parallelize
+
+        key = (tuple(grid), sp, path, planner, id(group))
+        if key not in self._runtimes:
+            if len(self._runtimes) >= self.MAX_RUNTIMES:
+                self._runtimes.pop(next(iter(self._runtimes)))
+            pc = ParallelConfig(ulysses_degree=sp, window_planner=planner)
+            self._runtimes[key] = parallelize(self.model.cfg, pc, grid, group, planner, path)
+        return self._runtimes[key]
+
+
+def dispatch(fn: Callable, *args, sp: int, threads: int = 1, timeout_s: float = 3600.0,
+             cluster: LocalCluster | None = None) -> list:
+    """Run ``fn(ctx, *args)`` on ``sp`` ranks; returns every rank's result (rank order).
+
+    Inside a torchrun job this process is one rank and returns its own result
+    only; ``sp == 1`` runs in this process; otherwise on ``cluster`` or on a
+    LocalCluster started (and closed) for this call.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        ctx = init_from_env()
+        if ctx.world_size != sp:
+            raise ValueError(f"--sp {sp} but torchrun started {ctx.world_size} ranks")
+        return [fn(ctx, *args)]
+    if sp == 1:
+        torch.set_num_threads(threads)
+        return [fn(RankContext(0, 1, None, torch.device("cpu")), *args)]
+    if cluster is not None:
+        return cluster.run(fn, *args, timeout_s=timeout_s)
+    with LocalCluster(sp, timeout_s=timeout_s, threads=threads) as own:
+        return own.run(fn, *args, timeout_s=timeout_s)
+
+
+def rank_forward(ctx: RankContext, spec: RunSpec, return_output: bool = True) -> dict:
+    """One rank's forward(s); rank 0 also returns the output when asked."""
+    engine = Engine.get(spec.model_spec, ctx.device)
+    model, vid, txt = build_for(spec, ctx.device)
+    group = ctx.group if ctx.world_size > 1 else None
+    rt = engine.runtime(spec.grid, spec.sp, group, spec.path, spec.planner)
+    times, memory = [], PeakMemory(ctx.device)
+    for i in range(spec.warmup + spec.repeats):
+        rt.comm.stats.reset()  # the report shows one forward's collectives (all are alike)
+        if i == spec.warmup:
+            memory.start()
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model(vid, txt, 1000.0, runtime=rt)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        if i >= spec.warmup:
+            times.append(time.perf_counter() - t0)
+    stats = rt.comm.stats
+    return {
+        "rank": ctx.rank,
+        "times_s": times,
+        "peak_bytes": memory.peak_added(),
+        "bytes_sent": stats.bytes_sent,
+        "bytes_recv": stats.bytes_recv,
+        "calls": stats.calls,
+        "collectives": stats.as_dict(),
+        "report": rt.report(heads=model.cfg.heads),
+        "output": out.float().cpu() if return_output and ctx.rank == 0 else None,
+    }
+
+
+def run(spec: RunSpec, check: bool = False, threads: int = 1, timeout_s: float = 3600.0,
+        cluster: LocalCluster | None = None) -> dict:
+    """Run ``spec`` on its ranks (see :func:`dispatch`) and summarise."""
+    results = dispatch(rank_forward, spec, sp=spec.sp, threads=threads, timeout_s=timeout_s, cluster=cluster)
+    return summarize(spec, results, check, threads)
+
+
+def summarize(spec: RunSpec, results: list[dict], check: bool, threads: int) -> dict:
+    out = results[0]["output"]
+    summary = {
+        "spec": asdict(spec),
+        "world_size": spec.sp,
+        "path": results[0]["report"],
+        "rank_time_s": [min(r["times_s"]) for r in results],
+        "rank_median_s": [statistics.median(r["times_s"]) for r in results],
+        "rank_peak_bytes": [r["peak_bytes"] for r in results],
+        "bytes_moved": sum(r["bytes_sent"] for r in results),
+        "rank_bytes_sent": [r["bytes_sent"] for r in results],
+        "rank_calls": [r["calls"] for r in results],
+        "collectives": results[0]["collectives"],
+        "output_shape": list(out.shape) if out is not None else None,
+    }
+    if check and out is not None:
+        torch.set_num_threads(threads)
+        model, vid, txt = build_for(spec)
+        with torch.no_grad():
+            ref = model(vid, txt, 1000.0).float()
+        summary["max_abs_err"] = float((out - ref).abs().max())
+        summary["ref_max_abs"] = float(ref.abs().max())
+        summary["rel_err"] = summary["max_abs_err"] / max(summary["ref_max_abs"], 1e-30)
+    return summary
