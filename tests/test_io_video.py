@@ -15,6 +15,7 @@ from ditsp.io import (
     VideoReader,
     VideoWriter,
     available_encoders,
+    count_frames,
     list_frames,
     media_kind,
     open_media,
@@ -67,6 +68,7 @@ def test_read_streams_in_chunks(clip):
         sizes = [c.shape[0] for c in r]
         assert r.info.audio_codec == "aac"
     assert sizes == [5, 5, 5, 2]
+    assert count_frames(clip) == T
     frames = torch.cat(list(read_video(clip, chunk=8)))
     assert frames.dtype == torch.uint8 and frames.shape == (T, 3, H, W)
     # lossy but close to the synthetic scene
@@ -92,6 +94,7 @@ def test_round_trip_keeps_frames_fps_size_audio(clip, tmp_path):
 def test_audio_transcoded_when_mp4_cannot_carry_it(pcm_clip, tmp_path):
     info = probe(pcm_clip)
     assert info.audio_codec == "pcm_s16le" and info.rate == Fraction(30000, 1001)
+    assert info.frames in (None, 9) and count_frames(pcm_clip) == 9  # mkv stores no frame count
     frames = torch.cat(list(read_video(pcm_clip)))
     out = write_video(tmp_path / "o.mp4", frames, info.rate, audio_from=pcm_clip)  # TCHW accepted too
     got = probe(out)
@@ -184,7 +187,7 @@ def test_zero_frames_and_small_video(tmp_path):
         VideoReader(tmp_path / "empty.mkv")
     _one_line(e)
     with av.open(str(tmp_path / "audio_only.mkv"), "w") as c:
-        a = c.add_stream("aac", rate=48000)
+        c.add_stream("aac", rate=48000)
         c.start_encoding()
     with pytest.raises(MediaError, match="no video stream|has no frames"):
         VideoReader(tmp_path / "audio_only.mkv")

@@ -260,6 +260,21 @@ def probe(path: str | os.PathLike) -> VideoInfo:
                      "folder")
 
 
+def count_frames(path: str | os.PathLike) -> int:
+    """Exact number of video frames, by reading the packets without decoding them.
+
+    For containers that do not store a frame count (mkv, webm, some mov).
+    """
+    p = _check_input(path)
+    with contextlib.closing(_open_container(p)) as c:
+        if not c.streams.video:
+            raise _fail(f"{p}: has no video stream")
+        try:
+            return sum(1 for pkt in c.demux(c.streams.video[0]) if pkt.size)
+        except av.error.FFmpegError as e:
+            raise _fail(f"{p}: reading failed ({type(e).__name__}: {e})") from None
+
+
 def read_video(path: str | os.PathLike, chunk: int = 16) -> Iterator[torch.Tensor]:
     """Generator of uint8 ``(n, 3, H, W)`` chunks of a video file."""
     with VideoReader(path, chunk) as r:
