@@ -193,7 +193,9 @@ def test_rope_runs_in_fp32_for_bf16_inputs():
 
 def test_rope_uses_analytic_fp32_frequencies_after_a_dtype_change():
     model = NaDiT(TINY).to(torch.bfloat16)
-    assert model.blocks[0].attn.rope.freqs.dtype == torch.bfloat16
+    assert model.vid_in.proj.weight.dtype == torch.bfloat16
+    assert model.blocks[0].attn.rope.freqs.dtype == torch.float32  # the buffer is never rounded
+    assert torch.equal(model.blocks[0].attn.rope.freqs, MMRope3d(32).analytic_freqs())
     x = torch.randn(1, 6, 1, 32)
     assert torch.equal(model.blocks[0].attn.rope.video(x, (1, 2, 3), 11), MMRope3d(32).video(x, (1, 2, 3), 11))
 

@@ -1,6 +1,6 @@
 """The NaDiT 3B block (``mmdit_sr``): MM window attention, SwiGLU, AdaSingle.
 
-Structure and quirks follow seedvr2-facts §4:
+Structure and quirks of the reference 3B block:
 - every sub-module exists per stream (``vid``/``txt``) below ``mm_layers`` and
   as one shared ``all`` set above it;
 - AdaSingle reads the time embedding in the stride-6 interleaved layout
@@ -18,7 +18,7 @@ from torch import nn
 
 from ....attention.window import WindowPack
 from .config import NaDiTConfig
-from .rope import MMRope3d
+from .rope import MMRope3d, RopeBuffer
 
 ATTN, MLP = 0, 1  # AdaSingle layer slots
 SHIFT, SCALE, GATE = 0, 1, 2
@@ -93,9 +93,12 @@ class SwiGLU(nn.Module):
 
 
 class WindowMMAttention(nn.Module):
-    """Window attention of [video window, replicated text]; all heads stay on this rank."""
+    """Window attention of [video window, replicated text]; all heads stay on this rank.
 
-    def __init__(self, cfg: NaDiTConfig, shared: bool):
+    The family's RoPE comes in as ``rope`` (default: the 3B's :class:`MMRope3d`);
+    it rotates video per window shape and decides what happens to text."""
+
+    def __init__(self, cfg: NaDiTConfig, shared: bool, rope: RopeBuffer | None = None):
         super().__init__()
         d, inner = cfg.vid_dim, cfg.heads * cfg.head_dim
         self.heads, self.head_dim, self.eps = cfg.heads, cfg.head_dim, cfg.norm_eps
@@ -103,7 +106,7 @@ class WindowMMAttention(nn.Module):
         self.proj_out = MM(lambda: nn.Linear(inner, d, bias=True), shared)
         self.norm_q = MM(lambda: HeadNorm(cfg.head_dim), shared)
         self.norm_k = MM(lambda: HeadNorm(cfg.head_dim), shared)
-        self.rope = MMRope3d(cfg.rope_dim, cfg.rope_theta)
+        self.rope = rope if rope is not None else MMRope3d(cfg.rope_dim, cfg.rope_theta)
 
     def _qkv(self, x: torch.Tensor, branch: str):
         q, k, v = self.proj_qkv.get(branch)(x).view(x.shape[0], 3, self.heads, self.head_dim).unbind(1)
@@ -131,14 +134,15 @@ class NaMMSRBlock(nn.Module):
 
     def __init__(self, cfg: NaDiTConfig, index: int):
         super().__init__()
-        shared = index >= cfg.mm_layers
+        shared = not cfg.separate_weights(index)
         self.last = index == cfg.num_layers - 1
         self.eps = cfg.norm_eps
         self.attn = WindowMMAttention(cfg, shared)
         self.mlp = MM(lambda: SwiGLU(cfg.vid_dim, cfg.mlp_hidden), shared, vid_only=self.last)
         self.ada = MM(lambda: AdaSingle(cfg.vid_dim), shared, vid_only=self.last)
 
-    def forward(self, vid, txt, emb, pack: WindowPack, runtime, layer: int):
+    def forward(self, vid, txt, emb, pack: WindowPack, runtime, layer: int, txt_out: bool = True):
+        """``txt_out`` is ignored: the 3B's last block has no text tail to compute."""
         e = emb_slots(emb)
         ada_v = self.ada.get("vid")
         a = ada_v.mod_in(rms_norm(vid, None, self.eps), e, ATTN)

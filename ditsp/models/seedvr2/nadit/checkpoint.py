@@ -1,12 +1,18 @@
-"""Strict NaDiT checkpoint loading (reference ``.pth`` or ``.safetensors``).
+"""Strict NaDiT checkpoint loading (reference ``.pth`` or ``.safetensors``), both families.
 
 The only rename is the RoPE buffer suffix ``.rope.rope.freqs`` ->
 ``.rope.freqs`` (the reference nests a RotaryEmbedding inside its RoPE
-module). Anything else that does not match the model exactly -- missing,
-unexpected, mis-shaped keys, or two source keys landing on one target -- fails
-with the full list, so a wrong checkpoint never reaches inference. Loading a
-model with fewer blocks than the checkpoint is a development fixture that
-needs ``allow_truncated=True``.
+module; the 3B and 7B files both do). Anything else that does not match the
+model exactly -- missing, unexpected, mis-shaped keys, two source keys landing
+on one target, a non-float tensor (int/bool) for a float parameter, NaN or Inf
+values -- fails with the full list, one line per problem, so a wrong checkpoint
+never reaches inference. Float tensors of another precision (fp16, bf16, fp64)
+are accepted and cast to the model's dtype. RoPE frequency buffers are checked
+against their analytic values at the file dtype's precision and then replaced
+by the analytic fp32 values: the 7B's frequencies reach 402, and rounded to
+bf16 they would move the output by percents. A missing or unreadable file is a
+one-line :class:`CheckpointError`. Loading a model with fewer blocks than the
+checkpoint is a development fixture that needs ``allow_truncated=True``.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from .rope import MMRope3d, rope_freqs
+from .rope import RopeBuffer
 
 REF_SUFFIX, PORT_SUFFIX = ".rope.rope.freqs", ".rope.freqs"
 _BLOCK = re.compile(r"^blocks\.(\d+)\.")
@@ -44,14 +50,30 @@ class LoadReport:
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Tensors of a ``.safetensors`` file, or of a ``.pth``/``.pt`` (``weights_only``, memory-mapped)."""
     path = os.fspath(path)
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
 
-        return load_file(path, device="cpu")
-    sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return load_file(path, device="cpu")
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any reader failure is an unreadable file
+        raise CheckpointError(f"{path}: unreadable checkpoint ({_first_line(e)})") from None
     if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CheckpointError(f"{path}: expected a flat state_dict of tensors, got {type(sd).__name__}")
     return dict(sd)
+
+
+def _first_line(e: Exception) -> str:
+    """The first line of an exception message, minus torch's ``weights_only`` advice."""
+    text = str(e).strip().splitlines()
+    line = text[0] if text else type(e).__name__
+    if "weights_only" in line or "Weights only load failed" in line:
+        return "not a plain tensor state_dict"
+    return line[:200]
 
 
 def normalize_keys(sd: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
@@ -101,23 +123,43 @@ def check_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor], allow_tru
     unexpected = sorted(set(sd) - set(expected))
     shapes = sorted(f"{k}: checkpoint {tuple(sd[k].shape)}, model {tuple(expected[k].shape)}"
                     for k in set(sd) & set(expected) if tuple(sd[k].shape) != tuple(expected[k].shape))
-    if missing or unexpected or shapes:
-        parts = [_list(t, v) for t, v in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes)) if v]
+    dtypes, nonfinite = _bad_values(sd, expected)
+    if missing or unexpected or shapes or dtypes or nonfinite:
+        parts = [_list(t, v) for t, v in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes),
+                                          ("wrong dtype", dtypes), ("non-finite", nonfinite)) if v]
         raise CheckpointError("checkpoint does not match the model:\n" + "\n".join(parts))
     _check_rope(model, sd)
     return dict(sd), dropped
 
 
+def _bad_values(sd: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """(non-float tensors for float parameters, tensors with NaN/Inf), one line each."""
+    dtypes, nonfinite = [], []
+    for k in sorted(set(sd) & set(expected)):
+        got, want = sd[k], expected[k]
+        if want.dtype.is_floating_point and not got.dtype.is_floating_point:
+            dtypes.append(f"{k}: checkpoint {str(got.dtype).removeprefix('torch.')}, model "
+                          f"{str(want.dtype).removeprefix('torch.')} (a float tensor is required)")
+        elif got.dtype.is_floating_point and not got.is_meta and not bool(torch.isfinite(got).all()):
+            n_nan, n_inf = int(torch.isnan(got).sum()), int(torch.isinf(got).sum())
+            nonfinite.append(f"{k}: {n_nan} NaN, {n_inf} Inf of {got.numel()} values")
+    return dtypes, nonfinite
+
+
+def _rope_modules(model: nn.Module):
+    return [(name, mod) for name, mod in model.named_modules() if isinstance(mod, RopeBuffer)]
+
+
 def _check_rope(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
     """A RoPE buffer must hold the analytic frequencies (to its dtype's precision)."""
-    for name, mod in model.named_modules():
-        if isinstance(mod, MMRope3d) and f"{name}.freqs" in sd:
+    for name, mod in _rope_modules(model):
+        if f"{name}.freqs" in sd:
             got = sd[f"{name}.freqs"]
-            want = rope_freqs(mod.rope_dim, mod.theta)
+            want = mod.analytic_freqs()
             tol = torch.finfo(got.dtype).eps if got.dtype.is_floating_point else 0.0
             if not torch.allclose(got.float().cpu(), want, rtol=tol, atol=0.0):
                 raise CheckpointError(f"{name}.freqs holds {got.flatten()[:3].tolist()}..., not the model's "
-                                      f"RoPE frequencies {want[:3].tolist()}... (rope_dim {mod.rope_dim}, theta {mod.theta})")
+                                      f"RoPE frequencies {want[:3].tolist()}... ({mod.describe()})")
 
 
 def load_checkpoint(model: nn.Module, path_or_sd, allow_truncated: bool = False) -> LoadReport:
@@ -134,10 +176,10 @@ def load_checkpoint(model: nn.Module, path_or_sd, allow_truncated: bool = False)
     cast = {}
     for k, v in sd.items():
         ref = expected[k]
-        cast[k] = v.to(dtype=ref.dtype, device="cpu" if meta else ref.device)
-    for name, mod in model.named_modules():  # full-precision analytic RoPE, whatever the file stored
-        if isinstance(mod, MMRope3d) and f"{name}.freqs" in cast:
-            cast[f"{name}.freqs"] = rope_freqs(mod.rope_dim, mod.theta).to(cast[f"{name}.freqs"])
+        cast[k] = v.to(dtype=ref.dtype, device="cpu" if meta else ref.device)  # fp16/bf16/fp64 -> model dtype
+    for name, mod in _rope_modules(model):  # full-precision analytic RoPE, whatever the file stored
+        if f"{name}.freqs" in cast:
+            cast[f"{name}.freqs"] = mod.analytic_freqs().to(cast[f"{name}.freqs"].device)
     model.load_state_dict(cast, strict=True, assign=meta)
     return LoadReport(str(path_or_sd) if is_path else "<state_dict>", len(cast), normalize_keys(raw)[1], dropped)
 
@@ -146,14 +188,17 @@ def load_text_embedding(path: str | os.PathLike, txt_in_dim: int | None = None) 
     """A ``pos_emb.pt``-style text embedding: one (L, txt_in_dim) tensor (bf16 in the release)."""
     path = os.fspath(path)
     if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        tensors = load_file(path)
+        tensors = read_state_dict(path)
         if len(tensors) != 1:
             raise CheckpointError(f"{path}: expected one tensor, found {sorted(tensors)}")
         emb = next(iter(tensors.values()))
     else:
-        emb = torch.load(path, map_location="cpu", weights_only=True)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: no such text embedding file")
+        try:
+            emb = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{path}: unreadable text embedding ({_first_line(e)})") from None
     if not isinstance(emb, torch.Tensor) or emb.ndim != 2 or (txt_in_dim and emb.shape[1] != txt_in_dim):
         shape = tuple(emb.shape) if isinstance(emb, torch.Tensor) else type(emb).__name__
         raise CheckpointError(f"{path}: expected a (L, {txt_in_dim or 'C'}) text embedding, got {shape}")

@@ -1,4 +1,9 @@
-"""NaDiT: the SeedVR2 3B diffusion transformer (reference ``models/dit_v2``), one code path.
+"""NaDiT: the SeedVR2 diffusion transformer, 3B (reference ``models/dit_v2``) and 7B
+(``models/dit``) families, one code path.
+
+The families share geometry, time embedding, patching, the runtime protocol
+and the loader; they differ in their block class and output head
+(:data:`FAMILIES`), picked by ``cfg.variant``.
 
 The forward always runs through an SP runtime (:class:`ditsp.sp.SPRuntime`):
 a one-rank window runtime on a single device, the SP group's runtime under
@@ -19,8 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ....sp import SPRuntime, WindowRuntime, check_request
-from .blocks import ATTN, SCALE, SHIFT, NaMMSRBlock, emb_slots, rms_norm
+from .blocks import NaMMSRBlock
+from .blocks_7b import NaMMSRBlock7B
 from .config import NaDiTConfig
+from .heads import NormAdaHead, OutAda, PlainHead, RMSNormWeight  # noqa: F401 - OutAda/RMSNormWeight re-exported
+
+# variant -> (block class, output head)
+FAMILIES = {"3b": (NaMMSRBlock, NormAdaHead), "7b": (NaMMSRBlock7B, PlainHead)}
 
 SINUSOIDAL_DIM = 256
 
@@ -58,21 +68,6 @@ class PatchOut(nn.Module):
         self.proj = nn.Linear(dim, out_channels)
 
 
-class OutAda(nn.Module):
-    """``vid_out_ada``: only ``out_shift``/``out_scale`` (no gate)."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.out_shift = nn.Parameter(torch.zeros(dim))
-        self.out_scale = nn.Parameter(torch.ones(dim))
-
-
-class RMSNormWeight(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-
 def patchify(vid: torch.Tensor, patch: Sequence[int]) -> torch.Tensor:
     """(T, H, W, C) -> (T/pt * H/ph * W/pw, pt*ph*pw*C) canonical rows, (dt, dy, dx, c) with c fastest."""
     pt, ph, pw = patch
@@ -89,13 +84,13 @@ def unpatchify(y: torch.Tensor, grid: Sequence[int], patch: Sequence[int]) -> to
 
 
 def x0_from_v(noise: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One-step v_lerp sampler at t = T: ``x0 = noise - v`` (facts §4/§6)."""
+    """One-step v_lerp sampler at t = T: ``x0 = noise - v``."""
     return noise - v
 
 
 class NaDiT(nn.Module):
-    """SeedVR2 3B NaDiT; parameter names mirror the reference except the RoPE
-    buffer, registered as ``blocks.<i>.attn.rope.freqs``."""
+    """SeedVR2 NaDiT of either family; parameter names mirror the reference except
+    the RoPE buffer, registered as ``blocks.<i>.attn.rope.freqs``."""
 
     def __init__(self, cfg: NaDiTConfig):
         super().__init__()
@@ -104,9 +99,9 @@ class NaDiT(nn.Module):
         self.vid_in = PatchIn(cfg.patch_channels, d)
         self.txt_in = nn.Linear(cfg.txt_in_dim, d)
         self.emb_in = TimeEmbedding(d, cfg.emb_dim)
-        self.blocks = nn.ModuleList(NaMMSRBlock(cfg, i) for i in range(cfg.num_layers))
-        self.vid_out_norm = RMSNormWeight(d)
-        self.vid_out_ada = OutAda(d)
+        block, self.head = FAMILIES[cfg.variant]
+        self.blocks = nn.ModuleList(block(cfg, i) for i in range(cfg.num_layers))
+        self.head.install(self, d)
         self.vid_out = PatchOut(d, cfg.out_patch_channels)
 
     @property
@@ -124,12 +119,17 @@ class NaDiT(nn.Module):
         """The one-rank runtime: the single-device forward."""
         return WindowRuntime.single(grid, self.cfg.window_methods, self.cfg.num_windows, torch.float32, planner)
 
-    def forward(self, vid: torch.Tensor, txt: torch.Tensor, timestep, runtime: SPRuntime | None = None
-                ) -> torch.Tensor:
+    def forward(self, vid: torch.Tensor, txt: torch.Tensor, timestep, runtime: SPRuntime | None = None,
+                states: dict | None = None) -> torch.Tensor:
         """vid (T, H, W, 33) latent, txt (L, txt_in_dim), timestep scalar -> v (T, H, W, 16).
 
         ``runtime`` None runs on this device alone; under SP pass the group's
         runtime (:func:`ditsp.models.seedvr2.parallelize.parallelize`) and every rank returns the full output.
+
+        ``states`` (a dict, for debugging against reference vectors) receives
+        ``emb``, ``vid_patch_in``, ``txt_proj_in`` and every block's ``block<i>.vid``
+        (canonical rows, gathered: every rank must pass it) and ``block<i>.txt``;
+        a 7B model then also computes the last block's discarded text output.
         """
         cfg, dtype = self.cfg, self.dtype
         grid = self.grid_of(vid.shape)
@@ -140,13 +140,16 @@ class NaDiT(nn.Module):
         x = rt.scatter(patchify(vid.to(dtype), cfg.patch_size), 0)
         x = self.vid_in.proj(x)
         txt = self.txt_in(txt.to(dtype))
+        if states is not None:
+            states.update({"emb": emb[None], "vid_patch_in": rt.gather(x), "txt_proj_in": txt})
+        last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
             x = rt.enter_layer(x, i)
-            x, txt = block(x, txt, emb, rt.window_pack(i, x.device), rt, i)
-        # Effective vid_out_ada (facts §4): the block-0 attn shift/scale slot plus out_shift/out_scale.
-        e = emb_slots(emb)
-        y = rms_norm(x, self.vid_out_norm.weight, cfg.norm_eps)
-        y = y * (e[:, ATTN, SCALE] + self.vid_out_ada.out_scale) + (e[:, ATTN, SHIFT] + self.vid_out_ada.out_shift)
+            # The last block's text output is discarded: skip it unless states are recorded.
+            x, txt = block(x, txt, emb, rt.window_pack(i, x.device), rt, i, txt_out=i < last or states is not None)
+            if states is not None:
+                states[f"block{i}.vid"], states[f"block{i}.txt"] = rt.gather(x), txt
+        y = self.head.apply(self, x, emb, cfg.norm_eps)
         y = self.vid_out.proj(y)  # tokenwise: gather the 64-wide output, not the hidden state
         return unpatchify(rt.gather(y), grid, cfg.patch_size)
 

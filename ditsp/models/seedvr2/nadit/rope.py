@@ -1,6 +1,6 @@
 """Window-local 3D RoPE of the SeedVR2 3B (``mmrope3d``).
 
-Facts (seedvr2-facts §3): lang frequencies ``1/theta^(2k/d)`` with
+The reference 3B RoPE: lang frequencies ``1/theta^(2k/d)`` with
 ``d = rope_dim // 3`` per axis, axes t|h|w, interleaved pairs
 ``(x0, x1) -> (x0 c - x1 s, x1 c + x0 s)``, ``3 d`` rotated channels and the
 rest passed through. A video token at window-local (dt, dh, dw) sits at
@@ -53,16 +53,52 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((out, xf[..., r:]), dim=-1).to(x.dtype)
 
 
-class MMRope3d(nn.Module):
-    """RoPE of one block. ``freqs`` is the checkpoint buffer (port name
-    ``blocks.<i>.attn.rope.freqs``); the angles always use the analytic fp32
-    values (facts §3), so a reduced-precision checkpoint or ``model.to(bf16)``
-    cannot degrade them. The loader checks that a loaded buffer agrees."""
+class RopeBuffer(nn.Module):
+    """A block's RoPE with its checkpoint buffer ``freqs`` (port name
+    ``blocks.<i>.attn.rope.freqs``; the reference nests it one level deeper).
+
+    The angles always use the analytic fp32 frequencies, so a reduced-precision
+    checkpoint cannot degrade them, and the buffer itself stays fp32 through
+    ``model.to(bf16)`` (rounding the 7B's frequencies to bf16 would move its
+    output by percents). The loader checks that a loaded buffer agrees with
+    :meth:`analytic_freqs` and then stores the analytic values.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("freqs", self.analytic_freqs().to(torch.get_default_device()))
+
+    def analytic_freqs(self) -> torch.Tensor:
+        """The frequencies (fp32, CPU) this RoPE rotates with."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.freqs = self.analytic_freqs().to(self.freqs.device)  # dtype casts never reach the frequencies
+        return self
+
+    def video(self, x: torch.Tensor, shape: tuple[int, int, int], txt_len: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def text(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class MMRope3d(RopeBuffer):
+    """The 3B's RoPE: language frequencies, video at (txt_len + dt, dh, dw), text at (j, j, j)."""
 
     def __init__(self, rope_dim: int, theta: float = 10000.0):
-        super().__init__()
         self.rope_dim, self.theta = rope_dim, float(theta)
-        self.register_buffer("freqs", rope_freqs(rope_dim, theta).to(torch.get_default_device()))
+        super().__init__()
+
+    def analytic_freqs(self) -> torch.Tensor:
+        return rope_freqs(self.rope_dim, self.theta)
+
+    def describe(self) -> str:
+        return f"rope_dim {self.rope_dim}, theta {self.theta}"
 
     def video(self, x: torch.Tensor, shape: tuple[int, int, int], txt_len: int) -> torch.Tensor:
         """x (n, f*h*w, H, D): n windows of ``shape``."""
