@@ -9,9 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ditsp.cli import main
-from ditsp.windows import locality
+from ditsp.windows.planners import locality
+from ditsp.windows.planners.lpt import packed_assign
 from ditsp.windows.geometry import window_layout
-from ditsp.windows.planner import PLAN_CACHE, plan_cache_key, plan_layouts, planner_names, transition
+from ditsp.windows.plan import PLAN_CACHE, transition
+from ditsp.windows.planners import plan_cache_key, plan_layouts, planner_names
 from ditsp.windows.schedule import plan_schedule
 
 ALTERNATING = ["regular", "shifted"] * 16
@@ -25,7 +27,7 @@ def layouts(grid):
 def best_packing(layout, world_size):
     """max/mean of the balance-only packing search (LPT + moves/swaps): never worse than LPT."""
     counts = layout.token_counts
-    bins = locality.packed_assign(counts, world_size)
+    bins = packed_assign(counts, world_size)
     return max(int(counts[b].sum()) if b else 0 for b in bins) / (layout.num_tokens / world_size)
 
 
@@ -128,7 +130,7 @@ def test_deterministic():
 def test_deterministic_across_processes():
     code = (
         "from ditsp.windows.geometry import window_layout as w;"
-        "from ditsp.windows.locality import locality_assign as f;"
+        "from ditsp.windows.planners.locality import locality_assign as f;"
         "print(hash(f([w((21,45,80),'regular'), w((21,45,80),'shifted')], 5)))"
     )
     outs = {
@@ -179,8 +181,8 @@ def test_cache_key_includes_planner_name_and_version():
     assert plan_layouts(lays, 4, "locality") is a  # cached
 
 
-def test_registered_on_plain_planner_import():
-    code = "import ditsp.windows.planner as p; assert 'locality' in p.planner_names(), p.planner_names()"
+def test_registered_explicitly_on_plain_planner_import():
+    code = "import ditsp.windows.planners as p; assert p.planner_names() == ['locality', 'lpt'], p.planner_names()"
     subprocess.run([sys.executable, "-c", code], check=True)
     assert "locality" in planner_names()
 
@@ -202,7 +204,7 @@ def test_cli_planner_all(capsys):
 def _brute_force_sp2(grid):
     """Exact minimum tokens moved at SP=2 under the locality caps, by enumeration (pure numpy)."""
     reg, sh = layouts(grid)
-    caps = locality._caps([reg, sh], 2)
+    caps = locality.layout_caps([reg, sh], 2)
     ia, ib, w = locality.overlap_pairs(reg, sh)
     ov = np.zeros((len(reg), len(sh)), dtype=np.int64)
     ov[ia, ib] = w

@@ -6,14 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ditsp.windows.geometry import window_layout
-from ditsp.windows.planner import (
-    PLAN_CACHE,
-    lpt_assign,
-    plan_cache_key,
-    plan_layout,
-    plan_layouts,
-    transition,
-)
+from ditsp.windows.plan import PLAN_CACHE, transition
+from ditsp.windows.planners import plan_cache_key, plan_layout, plan_layouts
+from ditsp.windows.planners.lpt import lpt_assign
 from ditsp.windows.schedule import plan_schedule
 
 

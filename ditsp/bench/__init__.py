@@ -7,10 +7,11 @@ import argparse
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``bench`` command group to the top-level subparsers ``sub``."""
-    from . import attention, forward
+    from . import attention, forward, planners
 
     p = sub.add_parser("bench", help="benchmark SP paths side by side on local ranks")
     bsub = p.add_subparsers(dest="bench", required=True)
     attention.add_parser(bsub)
     forward.add_parser(bsub)
+    planners.add_parser(bsub)
     return p

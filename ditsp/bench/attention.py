@@ -145,10 +145,3 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--strategies", help="comma-separated subset (ulysses,ring,allgather,usp-ring,usp-allgather)")
     p.set_defaults(func=main)
     return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ditsp bench")
-    add_parser(parser.add_subparsers(dest="bench", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args, parser)

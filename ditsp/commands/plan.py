@@ -25,7 +25,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..models.seedvr2.plan_report import format_summary, plan_request, summarize
-    from ..windows.planner import planner_names
+    from ..windows.planners import planner_names
 
     grid, notes = resolve_grid(args, parser)
     cfg = get_config(args.model, args.layers)

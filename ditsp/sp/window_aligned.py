@@ -23,7 +23,7 @@ from ..dist.agree import agree
 from ..dist.comm import Comm
 from ..windows.exchange import exchange
 from ..windows.geometry import canonical_method, short_name
-from ..windows.planner import Plan
+from ..windows.plan import Plan
 from ..windows.schedule import SchedulePlan, plan_schedule
 from .protocol import RopeFn
 

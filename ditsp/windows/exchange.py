@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..dist.comm import Comm
-from .planner import Transition
+from .plan import Transition
 
 
 @dataclass(frozen=True)
@@ -32,21 +32,18 @@ class RankIndices:
 
 def rank_indices(t: Transition, rank: int, device: torch.device | str = "cpu") -> RankIndices:
     """Index tensors of ``rank`` for transition ``t``, cached with the transition."""
-    key = ("torch", rank, str(device))
-    if key in t._index:
-        return t._index[key]
-    send = torch.from_numpy(t.send_index(rank)).to(device)
-    recv = torch.from_numpy(t.recv_order(rank)).to(device)
-    local = None if t.exchange_required else send[recv]
-    idx = RankIndices(
-        send_index=send,
-        recv_order=recv,
-        input_splits=[int(v) for v in t.counts[rank]],
-        output_splits=[int(v) for v in t.counts[:, rank]],
-        local_perm=local,
-    )
-    t._index[key] = idx
-    return idx
+    def make() -> RankIndices:
+        send = torch.from_numpy(t.send_index(rank)).to(device)
+        recv = torch.from_numpy(t.recv_order(rank)).to(device)
+        return RankIndices(
+            send_index=send,
+            recv_order=recv,
+            input_splits=[int(v) for v in t.counts[rank]],
+            output_splits=[int(v) for v in t.counts[:, rank]],
+            local_perm=None if t.exchange_required else send[recv],
+        )
+
+    return t.memo(("torch", rank, str(device)), make)
 
 
 def exchange(x: torch.Tensor, t: Transition, comm: Comm) -> torch.Tensor:

@@ -13,7 +13,8 @@ from typing import Sequence
 import numpy as np
 
 from .geometry import WindowLayout, canonical_method, short_name, window_layout
-from .planner import Plan, Transition, plan_layouts, transition
+from .plan import Plan, Transition, transition
+from .planners import plan_layouts
 
 
 @dataclass(frozen=True, eq=False)

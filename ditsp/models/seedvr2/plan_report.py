@@ -92,5 +92,5 @@ def format_summary(summary: dict, notes: list[str] = ()) -> str:
         f"Ulysses {_gib(b['ulysses'])} ({ratio:.2f}x)"
     )
     if not summary["ulysses_heads_divisible"]:
-        lines.append(f"  (Ulysses as in the reference needs heads % SP == 0; window SP does not)")
+        lines.append("  (Ulysses as in the reference needs heads % SP == 0; window SP does not)")
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """LPT vs locality-aware window planning: a markdown table, plus exact optima on small grids.
 
-    .venv/bin/python benchmarks/planner_table.py [--ilp-seconds 40]   (0: skip the ILPs, a few seconds)
+    ditsp bench planners [--ilp-seconds 40]   (0: skip the ILPs, a few seconds)
 
 For 720p / 1080p / 2K / 4K at 81 frames (post-patch T = 21) and SP 2, 4, 8 it
 prints, per planner: the fraction of all video tokens moved per regular <->
@@ -21,18 +21,14 @@ both objectives (moved tokens, and the per-rank peak) and compares.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ditsp.windows import locality  # noqa: E402  (registers "locality")
-from ditsp.windows.geometry import _layout, window_layout  # noqa: E402
-from ditsp.windows.planner import PLAN_CACHE, TRANSITION_CACHE  # noqa: E402
-from ditsp.windows.schedule import plan_schedule  # noqa: E402
+from ..windows.geometry import _layout, window_layout
+from ..windows.plan import PLAN_CACHE, TRANSITION_CACHE
+from ..windows.planners import locality
+from ..windows.schedule import plan_schedule
 
 RESOLUTIONS = {"720p": (21, 45, 80), "1080p": (21, 67, 120), "2K": (21, 90, 160), "4K": (21, 135, 240)}
 TINY = [((5, 20, 36), 2), ((5, 20, 36), 3), ((5, 20, 36), 4), ((9, 30, 54), 2), ((9, 30, 54), 3)]
@@ -71,8 +67,8 @@ def exact(grid, p: int, objective: str = "moved", time_limit: float = 20.0):
     except ImportError:
         return None
     lays = [window_layout(grid, "regular"), window_layout(grid, "shifted")]
-    g = locality._Graph(lays)
-    caps = locality._caps(lays, p)
+    g = locality.Graph(lays)
+    caps = locality.layout_caps(lays, p)
     n = g.n
     edges = [(v, u, c) for v in range(n) for u, c in g.nbrs[v] if u > v]
     ne, nx = len(edges), n * p
@@ -131,11 +127,15 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ilp-seconds", type=float, default=40.0, help="HiGHS time limit per instance (0: skip)")
-    ap.add_argument("--ilp-max-binaries", type=int, default=400, help="skip the ILP above this many x[v, r]")
-    args = ap.parse_args(argv)
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("planners", help="LPT vs locality planning: tokens moved, peaks, balance, exact optima")
+    p.add_argument("--ilp-seconds", type=float, default=40.0, help="HiGHS time limit per instance (0: skip)")
+    p.add_argument("--ilp-max-binaries", type=int, default=400, help="skip the ILP above this many x[v, r]")
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace, parser=None) -> int:
 
     print("### Tokens moved per regular<->shifted transition, 3B geometry, 81 frames\n")
     print(
@@ -189,7 +189,3 @@ def main(argv=None) -> int:
                 f"| {b['peak']} | {fmt(pk, 1)} |"
             )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

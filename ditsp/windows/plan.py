@@ -1,17 +1,17 @@
-"""Assign whole windows to ranks, and describe a change of layout between plans.
+"""Plans and transitions: which rank holds which windows, and which rows move at a layout change.
 
-Pure functions and immutable values: a :class:`Plan` says which windows and
-which canonical tokens each rank holds (in that rank's local row order); a
-:class:`Transition` says which rows go where when the layout changes. Plans
-and transitions are cached (LRU) by everything that determines them, so a
-different SP degree or planner never reuses a stale result.
+Immutable values, pure numpy: a :class:`Plan` says which windows and which
+canonical tokens each rank holds (in that rank's local row order); a
+:class:`Transition` says which rows go where when the layout changes. Both are
+cached (LRU) by everything that determines them, so a different SP degree or
+planner never reuses a stale result.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
@@ -80,43 +80,6 @@ class Plan:
         return [int(counts[i]) for i in self.rank_windows[rank]]
 
 
-# ---------------------------------------------------------------- planners
-
-
-def lpt_assign(token_counts: Sequence[int], world_size: int) -> tuple[tuple[int, ...], ...]:
-    """Longest-processing-time assignment, the seed's tie-breaking exactly.
-
-    Windows sorted by (-tokens, id); each goes to the rank with the smallest
-    (assigned tokens, rank id); each rank lists its windows by ascending id.
-    """
-    counts = [int(c) for c in token_counts]
-    order = sorted(range(len(counts)), key=lambda i: (-counts[i], i))
-    load = [0] * world_size
-    owned: list[list[int]] = [[] for _ in range(world_size)]
-    for i in order:
-        r = min(range(world_size), key=lambda k: (load[k], k))
-        load[r] += counts[i]
-        owned[r].append(i)
-    return tuple(tuple(sorted(ws)) for ws in owned)
-
-
-def _plan_lpt(layouts: Sequence[WindowLayout], world_size: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    return tuple(lpt_assign(lay.token_counts, world_size) for lay in layouts)
-
-
-PlannerFn = Callable[[Sequence[WindowLayout], int], Sequence[Sequence[Sequence[int]]]]
-PLANNERS: dict[str, tuple[PlannerFn, int]] = {"lpt": (_plan_lpt, 1)}
-
-
-def register_planner(name: str, fn: PlannerFn, version: int) -> None:
-    """Make a planner available by name; ``version`` goes into every cache key."""
-    PLANNERS[name] = (fn, version)
-
-
-def planner_names() -> list[str]:
-    return sorted(PLANNERS)
-
-
 # ---------------------------------------------------------------- cache
 
 
@@ -153,54 +116,6 @@ class LRUCache:
 
 PLAN_CACHE = LRUCache(32)
 TRANSITION_CACHE = LRUCache(64)
-
-
-def plan_cache_key(layouts: Sequence[WindowLayout], world_size: int, planner: str) -> tuple:
-    """Everything a plan depends on: grid, geometry, world size, planner."""
-    _, version = _planner(planner)
-    grids = {lay.grid for lay in layouts}
-    if len(grids) != 1:
-        raise ValueError(f"layouts planned together must share one grid, got {sorted(grids)}")
-    return (
-        grids.pop(),
-        tuple(lay.fingerprint for lay in layouts),
-        GEOMETRY_VERSION,
-        int(world_size),
-        planner,
-        version,
-    )
-
-
-def _planner(name: str) -> tuple[PlannerFn, int]:
-    try:
-        return PLANNERS[name]
-    except KeyError:
-        raise ValueError(f"unknown planner {name!r}; choose from {planner_names()}") from None
-
-
-def plan_layouts(layouts: Sequence[WindowLayout], world_size: int, planner: str = "lpt") -> tuple[Plan, ...]:
-    """Plans for the distinct layouts of one schedule, planned together (cached)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    layouts = tuple(layouts)
-    fn, _ = _planner(planner)
-
-    def make() -> tuple[Plan, ...]:
-        assigned = fn(layouts, int(world_size))
-        plans = []
-        for lay, rank_windows in zip(layouts, assigned):
-            rw = tuple(tuple(sorted(int(i) for i in ws)) for ws in rank_windows)
-            flat = sorted(i for ws in rw for i in ws)
-            if len(rw) != world_size or flat != list(range(len(lay))):
-                raise AssertionError(f"planner {planner!r} did not assign every window exactly once")
-            plans.append(Plan(layout=lay, world_size=int(world_size), planner=planner, rank_windows=rw))
-        return tuple(plans)
-
-    return PLAN_CACHE.get_or_make(plan_cache_key(layouts, world_size, planner), make)
-
-
-def plan_layout(layout: WindowLayout, world_size: int, planner: str = "lpt") -> Plan:
-    return plan_layouts((layout,), world_size, planner)[0]
 
 
 # ---------------------------------------------------------------- transitions
@@ -245,6 +160,12 @@ class Transition:
     @property
     def rank_recv(self) -> np.ndarray:
         return self.counts.sum(axis=0) - np.diag(self.counts)
+
+    def memo(self, key, make: Callable):
+        """A value derived from this transition (index orders, device tensors), made once and kept."""
+        if key not in self._index:
+            self._index[key] = make()
+        return self._index[key]
 
     def _orders(self) -> tuple[np.ndarray, np.ndarray]:
         if "orders" not in self._index:

@@ -1,0 +1,70 @@
+"""Token-balanced assignment of one layout's windows: LPT, and a packing search that improves on it.
+
+Pure integer Python: the same counts give the same assignment on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+VERSION = 1
+
+
+def lpt_assign(token_counts: Sequence[int], world_size: int) -> tuple[tuple[int, ...], ...]:
+    """Longest-processing-time assignment, the seed's tie-breaking exactly.
+
+    Windows sorted by (-tokens, id); each goes to the rank with the smallest
+    (assigned tokens, rank id); each rank lists its windows by ascending id.
+    """
+    counts = [int(c) for c in token_counts]
+    order = sorted(range(len(counts)), key=lambda i: (-counts[i], i))
+    load = [0] * world_size
+    owned: list[list[int]] = [[] for _ in range(world_size)]
+    for i in order:
+        r = min(range(world_size), key=lambda k: (load[k], k))
+        load[r] += counts[i]
+        owned[r].append(i)
+    return tuple(tuple(sorted(ws)) for ws in owned)
+
+
+def packed_assign(token_counts: Sequence[int], p: int, cap: int | None = None) -> list[list[int]]:
+    """A balanced assignment of one layout (no locality): LPT, then moves and swaps that lower
+    the largest rank until it is at most ``cap`` or nothing improves. Deterministic."""
+    counts = [int(c) for c in token_counts]
+    bins = [list(ws) for ws in lpt_assign(counts, p)]
+    load = [sum(counts[i] for i in b) for b in bins]
+    for _ in range(4 * len(counts) + 16):
+        r = max(range(p), key=lambda k: (load[k], -k))
+        if cap is not None and load[r] <= cap:
+            break
+        best = None  # (new max of the two ranks, -, item out, item in or -1, dest)
+        for s in range(p):
+            if s == r:
+                continue
+            for i in bins[r]:
+                if load[s] + counts[i] < load[r]:
+                    key = (max(load[r] - counts[i], load[s] + counts[i]), i, -1, s)
+                    best = key if best is None or key < best else best
+                for j in bins[s]:
+                    d = counts[i] - counts[j]
+                    if d > 0 and load[s] + d < load[r]:
+                        key = (max(load[r] - d, load[s] + d), i, j, s)
+                        best = key if best is None or key < best else best
+        if best is None:
+            break
+        _, i, j, s = best
+        bins[r].remove(i)
+        bins[s].append(i)
+        load[r] -= counts[i]
+        load[s] += counts[i]
+        if j >= 0:
+            bins[s].remove(j)
+            bins[r].append(j)
+            load[s] -= counts[j]
+            load[r] += counts[j]
+    return [sorted(b) for b in bins]
+
+
+def plan_lpt(layouts, world_size: int):
+    """The ``lpt`` planner: every layout balanced on its own."""
+    return tuple(lpt_assign(lay.token_counts, world_size) for lay in layouts)
