@@ -208,3 +208,14 @@ def test_post_processing_vectors(io):
     style = io["post.input_CTHW"].permute(1, 0, 2, 3)
     assert torch.equal(to_uint8(cf.apply_color_fix(decoded, style)), io["post.u8_fp32decoded"])
     assert torch.equal(to_uint8(cf.apply_color_fix(decoded.bfloat16(), style)), io["post.u8_bf16decoded"])
+
+
+def test_wavelet_blur_equals_a_dilated_depthwise_conv():
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(2, 3, 13, 21, generator=g) * 2 - 1
+    k = (torch.tensor([[1.0, 2, 1], [2, 4, 2], [1, 2, 1]]) / 16).expand(3, 1, 3, 3)
+    for r in (1, 2, 4, 8, 16):
+        ref = torch.nn.functional.conv2d(
+            torch.nn.functional.pad(x, (r, r, r, r), mode="replicate"), k, groups=3, dilation=r
+        )
+        assert _maxabs(cf.wavelet_blur(x, r), ref) <= 1e-6

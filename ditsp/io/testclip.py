@@ -144,3 +144,29 @@ def _write_tone(out, stream, start: int, stop: int) -> int:
             out.mux(pkt)
         s += n
     return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ditsp.io.testclip OUT.mp4 [--size 64x48] [--frames 17] [--fps 24] [--no-audio]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m ditsp.io.testclip", description="write the synthetic test clip")
+    ap.add_argument("out")
+    ap.add_argument("--size", default="64x48", help="WIDTHxHEIGHT, even sides >= 16")
+    ap.add_argument("--frames", type=int, default=17)
+    ap.add_argument("--fps", type=float, default=24.0)
+    ap.add_argument("--no-audio", action="store_true")
+    ap.add_argument("--overwrite", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        w, h = (int(v) for v in a.size.lower().split("x"))
+        p = make_test_clip(a.out, width=w, height=h, frames=a.frames, fps=a.fps, audio=not a.no_audio,
+                           overwrite=a.overwrite)
+    except ValueError as e:  # MediaError included
+        ap.exit(2, f"error: {e}\n")
+    print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -25,21 +25,30 @@ METHODS = ("wavelet", "adain", "none")
 WAVELET_LEVELS = 5
 ADAIN_EPS = 1e-5
 
-_BINOMIAL = torch.tensor([1.0, 2.0, 1.0]) / 4.0
-
-
-def _kernel(channels: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    k = torch.outer(_BINOMIAL, _BINOMIAL)  # [[1,2,1],[2,4,2],[1,2,1]] / 16
-    return k.to(dtype=dtype, device=device).expand(channels, 1, 3, 3).contiguous()
+_BINOMIAL = (1.0, 2.0, 1.0)
 
 
 def wavelet_blur(x: torch.Tensor, radius: int) -> torch.Tensor:
-    """One binomial 3x3 blur with dilation ``radius`` on edge-replicated ``(N, C, H, W)``."""
+    """One binomial 3x3 blur (``[[1,2,1],[2,4,2],[1,2,1]] / 16``) with dilation ``radius``.
+
+    ``x`` is ``(N, C, H, W)``, edge-replicated by ``radius`` pixels (wider
+    than the frame is fine). Computed as a weighted sum of the nine shifted
+    views in fp32 and rounded once to ``x``'s dtype: this equals a depthwise
+    convolution bit for bit on the reference vectors (bf16 input included)
+    and, unlike a convolution, never goes through reduced-precision (TF32)
+    convolution algorithms on a GPU.
+    """
     if x.ndim != 4:
         raise ValueError(f"expected (N, C, H, W), got shape {tuple(x.shape)}")
-    c = x.shape[1]
-    padded = F.pad(x, (radius, radius, radius, radius), mode="replicate")
-    return F.conv2d(padded, _kernel(c, x.dtype, x.device), groups=c, dilation=radius)
+    h, w = x.shape[-2:]
+    r = int(radius)
+    padded = F.pad(x.float(), (r, r, r, r), mode="replicate")
+    out = None
+    for i, wi in enumerate(_BINOMIAL):
+        for j, wj in enumerate(_BINOMIAL):
+            term = padded[..., i * r : i * r + h, j * r : j * r + w] * (wi * wj / 16)
+            out = term if out is None else out + term
+    return out.to(x.dtype)
 
 
 def wavelet_decomposition(x: torch.Tensor, levels: int = WAVELET_LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
