@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from fractions import Fraction
 
 import av
@@ -298,3 +299,15 @@ def test_windowed_identity_restoration_end_to_end(clip, tmp_path):
     assert (got.width, got.height, got.frames, got.has_audio) == (96, 64, T, True)
     m = seam_metric(torch.cat(list(read_video(out))), plan.seam_transitions())
     assert m["ratio"] < 2
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root can write anywhere")
+def test_read_only_folder(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(MediaError, match="not writable"):
+            write_image(ro / "a.png", torch.zeros(16, 16, 3, dtype=torch.uint8))
+    finally:
+        ro.chmod(0o755)
