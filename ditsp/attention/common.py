@@ -86,6 +86,11 @@ def attn_fwd(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """
     b, h, sq, _ = q.shape
     hk, sk = k.shape[1], k.shape[2]
+    if h == 0 or hk == 0:  # a Ulysses rank holding no heads (fewer heads than ranks)
+        if h != hk:
+            raise ValueError(f"{h} query heads cannot attend to {hk} K/V heads")
+        return (q.new_zeros((b, 0, sq, v.shape[-1]), dtype=torch.float32),
+                q.new_zeros((b, 0, sq), dtype=torch.float32))
     if h % hk:
         raise ValueError(f"{h} query heads do not group onto {hk} K/V heads")
     out = q.new_empty((b, h, sq, v.shape[-1]), dtype=torch.float32)
@@ -107,6 +112,9 @@ def attn_bwd(q, k, v, lse, delta, dout, scale: float):
     Returns fp32 ``(dq, dk, dv)``; dk/dv sum over the query heads of each group.
     """
     h, hk, sq, sk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    if h == 0 or hk == 0:  # a rank holding no heads: nothing to differentiate
+        return (torch.zeros(q.shape, dtype=torch.float32), torch.zeros(k.shape, dtype=torch.float32),
+                torch.zeros(v.shape, dtype=torch.float32))
     kf, vf, lse, delta = k.float(), v.float(), lse.float(), delta.float()
     dq = torch.empty(q.shape, dtype=torch.float32)
     dk = torch.zeros(k.shape, dtype=torch.float32)

@@ -12,16 +12,28 @@ its share of the text *query rows*; the text K/V is attended once per rank as
 a local block, never circulated. Text outputs are gathered back (rows over the
 ring, heads over Ulysses), so every rank returns the same text output.
 Gradients of replicated inputs follow the sum convention (see common.py).
+
+Agreement: before its first collective for a new call signature (batch,
+heads, K/V heads, head dims, dtypes, text length, joint side, given lengths,
+scale, mesh), every SP rank exchanges its signature once (one small
+all-gather of objects) and raises :class:`~ditsp.dist.agree.DisagreementError`
+on every rank when they differ, and ``ValueError`` on every rank when any
+rank's inputs are malformed; a mismatch would otherwise crash gloo or hang the
+peers. Signatures already agreed are cached, so steady-state calls add no
+traffic. Per-rank sequence lengths are not part of the signature (they may
+legitimately differ); they are checked against ``seq_lens`` locally.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 import torch
 
 from ..config import ParallelConfig
 from ..dist.groups import SPGroups
+from ..dist.agree import DisagreementError
 from ..dist.comm import Comm, CommStats
 from .allgather import allgather_attention
 from .common import default_scale, even_splits, gather_lens, gather_rows, ranges
@@ -31,6 +43,59 @@ from .ulysses import head_plan, to_heads, to_seq
 
 def _comm(group, stats: CommStats) -> Comm:
     return Comm.of(group, stats)
+
+
+_AGREED_MAX = 256  # cached signatures per SPAttention (cleared, on every rank alike, when full)
+
+
+def _local_problem(q, k, v, text_len: int, joint: str, seq_lens, sp: Comm) -> str | None:
+    """What is wrong with this rank's own inputs (None when nothing), without raising."""
+    if joint not in ("front", "rear"):
+        return f"joint must be 'front' or 'rear', got {joint!r}"
+    if any(x.dim() != 4 for x in (q, k, v)):
+        return f"q, k, v must be [B, L, H, D], got shapes {[list(x.shape) for x in (q, k, v)]}"
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        return (f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: k and v must have one shape, "
+                "and q the batch, length and head dim of k")
+    if len({q.dtype, k.dtype, v.dtype}) > 1:
+        return f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if k.shape[2] < 1 or q.shape[2] % k.shape[2]:
+        return f"{q.shape[2]} query heads need a divisor as K/V head count, got {k.shape[2]}"
+    if not 0 <= text_len <= q.shape[1]:
+        return f"text_len {text_len} outside 0..{q.shape[1]} (the local token count)"
+    if seq_lens is not None:
+        if len(seq_lens) != sp.world_size or any(int(n) < 0 for n in seq_lens):
+            return f"seq_lens {list(seq_lens)} must hold {sp.world_size} non-negative lengths (one per SP rank)"
+        if int(seq_lens[sp.rank]) != q.shape[1] - text_len:
+            return (f"rank {sp.rank} holds {q.shape[1] - text_len} video tokens but seq_lens says "
+                    f"{int(seq_lens[sp.rank])}")
+    return None
+
+
+def _signature(attn: "SPAttention", q, k, v, text_len, joint, seq_lens, scale) -> dict:
+    """What every SP rank must pass alike (local lengths left out: shards may be uneven)."""
+    four = all(x.dim() == 4 for x in (q, k, v))
+    return {
+        "batch": int(q.shape[0]) if four else None,
+        "heads": int(q.shape[2]) if four else None,
+        "kv_heads": int(k.shape[2]) if four else None,
+        "head_dim": int(q.shape[-1]) if four else None,
+        "dtype": str(q.dtype),
+        "text_len": int(text_len), "joint": joint,
+        "seq_lens": None if seq_lens is None else [int(n) for n in seq_lens],
+        "scale": None if scale is None else float(scale),
+        "mesh": [attn.u.world_size, attn.r.world_size], "outer": attn.outer, "stacked": attn.stacked,
+        "strict": attn.strict,
+        # Last: the q, k, v shapes without the length dim (catches what the named fields do not).
+        "shapes": [[int(n) for i, n in enumerate(x.shape) if i != 1] + [str(x.dtype)] for x in (q, k, v)],
+    }
+
+
+def _differences(sigs: list[dict]) -> str:
+    """The fields that differ, by rank ("shapes" only when no named field does)."""
+    keys = [key for key in sigs[0] if len({json.dumps(s.get(key), default=str) for s in sigs}) > 1]
+    keys = [key for key in keys if key != "shapes"] or keys
+    return "; ".join(f"{key}: " + ", ".join(f"rank {r} {s.get(key)}" for r, s in enumerate(sigs)) for key in keys)
 
 
 class SPAttention:
@@ -46,6 +111,36 @@ class SPAttention:
         if self.sp.world_size != self.u.world_size * self.r.world_size:
             raise ValueError(f"SP group of {self.sp.world_size} ranks is not ulysses {self.u.world_size} x ring {self.r.world_size}")
         self.outer, self.stacked, self.strict, self.name = outer, stacked, strict, name
+        self._agreed: set[str] = set()
+
+    def agree(self, q, k, v, text_len: int = 0, joint: str = "front",
+              seq_lens: Sequence[int] | None = None, scale: float | None = None) -> None:
+        """Make the SP ranks agree on this call's signature (once per signature; see the module doc).
+
+        Raises :class:`DisagreementError` (signatures differ) or ``ValueError`` (some rank's
+        inputs are malformed) on every rank alike.
+        """
+        sig = _signature(self, q, k, v, text_len, joint, seq_lens, scale)
+        problem = _local_problem(q, k, v, int(text_len), joint, seq_lens, self.sp)
+        key = json.dumps(sig, sort_keys=True, default=str)
+        if key in self._agreed:
+            if problem:
+                raise ValueError(f"{self.name} attention on rank {self.sp.rank}: {problem}")
+            return
+        everyone = self.sp.all_gather_object((key, sig, problem))
+        if len({kk for kk, _, _ in everyone}) > 1:
+            sigs = [sg for _, sg, _ in everyone]
+            lines = [f"  rank {r}: {kk}" for r, (kk, _, _) in enumerate(everyone)]
+            raise DisagreementError(
+                f"ranks disagree on the {self.name} attention call: {_differences(sigs)}\n" + "\n".join(lines))
+        bad = [(r, p) for r, (_, _, p) in enumerate(everyone) if p]
+        if bad:
+            first = bad[0]
+            raise ValueError(f"{self.name} attention: bad input on rank {first[0]}: {first[1]}\n"
+                             + "\n".join(f"  rank {r}: {p}" for r, p in bad))
+        if len(self._agreed) >= _AGREED_MAX:
+            self._agreed.clear()
+        self._agreed.add(key)
 
     @classmethod
     def from_config(cls, config: ParallelConfig, groups: SPGroups) -> "SPAttention":
@@ -61,8 +156,7 @@ class SPAttention:
 
         ``seq_lens``: every SP rank's video length; gathered (one tiny all-gather) when omitted.
         """
-        if joint not in ("front", "rear"):
-            raise ValueError(f"joint must be 'front' or 'rear', got {joint!r}")
+        self.agree(q, k, v, text_len, joint, seq_lens, scale)
         T, U, R = int(text_len), self.u.world_size, self.r.world_size
         heads, kv_heads = q.shape[2], k.shape[2]
         if self.strict:  # the config's own check and message
