@@ -1,0 +1,81 @@
+"""Neighbour halo exchange for slab-sharded work, through :class:`~ditsp.dist.comm.Comm`.
+
+Ranks hold consecutive slabs of one axis (rows of an image, frames of a clip); an operator
+with a small footprint (a 3x3 conv, a causal time conv) needs a few rows/frames of its
+neighbours. Two patterns:
+
+- :func:`exchange_rows`: every rank sends its first rows to the previous rank and its last rows
+  to the next one, and receives the matching halos, all at once (height slabs).
+- :func:`recv_from_prev` / :func:`post_to_next`: a chain, rank r waits for rank r-1 before it
+  sends to rank r+1 (causal time slabs, where what rank r forwards may include what it received).
+
+Requests of posted sends are returned and must be kept until waited on: gloo cancels a send
+whose request object is dropped, and the receiver would then wait forever.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import Comm
+
+
+def exchange_rows(comm: Comm, x: torch.Tensor, dim: int, *, from_prev: int, from_next: int, to_prev: int,
+                  to_next: int, kind: str = "halo") -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Swap halo rows along ``dim`` with ranks ``rank - 1`` and ``rank + 1``.
+
+    Sends ``x``'s first ``to_prev`` rows to the previous rank and its last ``to_next`` rows to the
+    next; returns ``(top, bottom)``: the ``from_prev`` rows received from the previous rank and the
+    ``from_next`` rows from the next (``None`` where zero). Counts must match on both sides.
+    """
+    n = x.shape[dim]
+    if to_prev > n or to_next > n:
+        raise ValueError(f"rank {comm.rank} holds {n} rows but must send {to_prev} up and {to_next} down")
+    sends, recvs, top, bottom = [], [], None, None
+
+    def buf(rows):
+        shape = list(x.shape)
+        shape[dim] = rows
+        return x.new_empty(shape)
+
+    if to_prev:
+        sends.append((x.narrow(dim, 0, to_prev).contiguous(), comm.rank - 1))
+    if to_next:
+        sends.append((x.narrow(dim, n - to_next, to_next).contiguous(), comm.rank + 1))
+    if from_prev:
+        top = buf(from_prev)
+        recvs.append((top, comm.rank - 1))
+    if from_next:
+        bottom = buf(from_next)
+        recvs.append((bottom, comm.rank + 1))
+    if sends or recvs:
+        reqs = comm.batch_isend_irecv(sends, recvs, kind=kind)
+        for r in reqs:
+            r.wait()
+    return top, bottom
+
+
+def recv_from_prev(comm: Comm, shape, dtype: torch.dtype, device=None, kind: str = "halo_chain") -> torch.Tensor:
+    """Blocking receive of a tensor of ``shape`` from rank ``rank - 1``."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    for r in comm.batch_isend_irecv([], [(t, comm.rank - 1)], kind=kind):
+        r.wait()
+    return t
+
+
+class Pending:
+    """Posted sends: holds the requests and their buffers alive until :meth:`wait`."""
+
+    def __init__(self, reqs: list, tensors: list):
+        self.reqs, self.tensors = reqs, tensors
+
+    def wait(self) -> None:
+        for r in self.reqs:
+            r.wait()
+        self.reqs, self.tensors = [], []
+
+
+def post_to_next(comm: Comm, t: torch.Tensor, kind: str = "halo_chain") -> Pending:
+    """Post a send of ``t`` to rank ``rank + 1``; call ``wait()`` on the result before the send is dropped."""
+    t = t.contiguous()
+    return Pending(comm.batch_isend_irecv([(t, comm.rank + 1)], [], kind=kind), [t])

@@ -1,0 +1,250 @@
+"""The executor: runs the VAE's layers on one piece of the clip, wherever that piece sits.
+
+A *piece* is what this process holds right now: frames ``[t_start, ...)`` of the clip (at the
+current stage's frame rate) and, when height-sharded, rows ``rows[rank]`` of every frame. Every
+operator of the VAE is either pointwise, per frame, or a small causal/spatial stencil, so one piece
+can be computed exactly given
+
+- for each causal conv with ``k_t`` taps: the ``k_t - 1`` frames of its (padded) input stream that
+  precede the piece. At the clip start these are copies of frame 0; otherwise they are the tail kept
+  from the previous chunk (``carry``, single process) or received from the previous rank
+  (``time_chain``, temporal SP: each rank forwards the last ``k_t - 1`` frames of its own padded
+  stream to the next one, so a rank with few frames passes on what it got);
+- for each conv, the rows above and below its slab (zeros at the image border, else halo rows of
+  the neighbouring slab, exchanged per conv through :mod:`ditsp.dist.halo`);
+- for each GroupNorm, the per-(frame, group) statistics of the whole frame (local mean/variance,
+  combined across slabs in float64 with one all-reduce of ``2 * G * T`` values per call);
+- for the mid attention, the keys and values of the whole frame (all-gathered per call).
+
+The executor tracks where the piece is as the stages change its frame rate and row count
+(``t_start`` and ``rows`` are updated by strided convs and upsamplers), so layers need no
+knowledge of the mode.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ....dist.comm import Comm
+from ....dist.halo import exchange_rows, post_to_next, recv_from_prev
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def conv_rows(layer, rows: list[tuple[int, int]], H: int):
+    """Row bookkeeping of one conv over height slabs ``rows`` (per rank) of an H-row input.
+
+    Returns ``(out_rows, H_out, halos)`` with ``halos[r] = (zeros_top, from_prev, from_next, zeros_bot)``.
+    Output row ``j`` belongs to the slab holding input row ``j * stride`` (slab starts are multiples of
+    the stride); the last non-empty slab takes the remaining output rows.
+    """
+    k, s = layer.kernel[1], layer.stride[1]
+    top, _ = layer.rows_pad
+    H_out = layer.out_rows(H)
+    out = [(min(_ceil_div(a, s), H_out), min(_ceil_div(b, s), H_out)) for a, b in rows]
+    last = max((r for r, (a, b) in enumerate(rows) if b > a), default=None)
+    if last is not None:
+        out[last] = (out[last][0], H_out)
+        out = [o if r <= last else (H_out, H_out) for r, o in enumerate(out)]
+    halos = []
+    for (i0, i1), (o0, o1) in zip(rows, out):
+        if o1 <= o0:
+            halos.append((0, 0, 0, 0))
+            continue
+        n0, n1 = o0 * s - top, (o1 - 1) * s - top + k
+        halos.append((max(0, -n0), max(0, i0 - max(n0, 0)), max(0, min(n1, H) - i1), max(0, n1 - H)))
+    return out, H_out, halos
+
+
+def _frame_stats(xv: torch.Tensor):
+    """Mean and biased variance per (batch, group, frame) of xv (B, G, C/G, T, H, W), in float32.
+
+    float32 input: ``var_mean`` (two-pass, no copy). 16-bit input: float32 sums of x and x^2
+    accumulated without an upcast copy of the tensor.
+    """
+    dims = (2, 4, 5)
+    if xv.dtype == torch.float32:
+        var, mean = torch.var_mean(xv, dim=dims, correction=0)
+        return mean, var
+    n = xv.shape[2] * xv.shape[4] * xv.shape[5]
+    mean = xv.sum(dim=dims, dtype=torch.float32) / n
+    sq = torch.linalg.vector_norm(xv, 2, dim=dims, dtype=torch.float32) ** 2 / n
+    return mean, (sq - mean * mean).clamp_min(0)
+
+
+class Exec:
+    """Execution context of one piece (see module doc).
+
+    comm: the SP group (needed for ``time_chain`` and height slabs).
+    time_chain: past frames of each causal conv come from rank - 1 (temporal SP).
+    carry: dict conv -> last ``k_t - 1`` frames of its padded input, kept between chunks.
+    """
+
+    def __init__(self, comm: Comm | None = None, *, time_chain: bool = False, carry: dict | None = None):
+        self.comm = comm or Comm.single()
+        self.time_chain = time_chain
+        self.carry = carry
+        self.t_start = 0
+        self.rows: list[tuple[int, int]] | None = None
+        self.H: int | None = None
+        self.counts = {"conv": 0, "conv_2d_fast": 0}
+
+    def begin(self, t_start: int, rows: list[tuple[int, int]] | None = None, H: int | None = None) -> "Exec":
+        """Start a piece at global frame ``t_start`` (of the network input), optionally a height slab."""
+        self.t_start, self.rows, self.H = t_start, (list(rows) if rows is not None else None), H
+        return self
+
+    @property
+    def sharded_rows(self) -> bool:
+        return self.rows is not None
+
+    # -- causal conv ---------------------------------------------------------
+
+    def _past(self, layer, x: torch.Tensor) -> torch.Tensor | None:
+        """The k_t - 1 frames of the layer's input stream before this piece (None at the clip start)."""
+        kt = layer.kernel[0]
+        if self.t_start == 0:
+            return None
+        if self.time_chain:
+            b, c, _, h, w = x.shape
+            return recv_from_prev(self.comm, (b, c, kt - 1, h, w), x.dtype, x.device)
+        if self.carry is None or layer not in self.carry:
+            raise RuntimeError("a piece after the clip start needs the carried state of the previous chunk")
+        return self.carry[layer]
+
+    def conv(self, layer, x: torch.Tensor) -> torch.Tensor:
+        self.counts["conv"] += 1
+        kt, st = layer.kernel[0], layer.stride[0]
+        a, T = self.t_start, x.shape[2]
+        weight = None
+        pending = None
+        if kt > 1:
+            past = self._past(layer, x)
+            # The last kt - 1 frames of this piece's padded stream, for the next chunk / rank.
+            if past is None:
+                past_full = x[:, :, :1].expand(-1, -1, kt - 1, -1, -1)
+            else:
+                past_full = past
+            if T >= kt - 1:
+                tail = x[:, :, T - (kt - 1):]
+            else:
+                tail = torch.cat([past_full[:, :, T:], x], 2)
+            if self.time_chain and self.comm.rank < self.comm.world_size - 1:
+                pending = post_to_next(self.comm, tail)
+            if self.carry is not None:
+                self.carry[layer] = tail.contiguous().clone()
+            n_out = _ceil_div(a + T, st) - _ceil_div(a, st)
+            if past is None and T == 1:
+                # Clip start with one frame (an image): every tap sees frame 0, so the taps are
+                # summed into one 2-D kernel instead of materialising the frame copies.
+                weight = layer.weight.sum(2, keepdim=True)
+                self.counts["conv_2d_fast"] += 1
+            elif n_out > 0:
+                need = a + kt - 1 - _ceil_div(a, st) * st
+                x = torch.cat([past_full[:, :, kt - 1 - need:], x], 2)
+        else:
+            n_out = T
+        if self.rows is not None:
+            x, rows_out, H_out = self._halo(layer, x)
+        if n_out <= 0 or x.shape[3] == 0:
+            b = x.shape[0]
+            rows_local = (rows_out[self.comm.rank][1] - rows_out[self.comm.rank][0]) if self.rows is not None \
+                else layer.out_rows(x.shape[3])
+            y = x.new_zeros((b, layer.cout, max(n_out, 0), rows_local, layer.out_cols(x.shape[4])))
+        else:
+            y = layer.apply(x, weight=weight, rows_padded=self.rows is not None)
+        if pending is not None:
+            pending.wait()
+        if st > 1:
+            self.t_start = _ceil_div(a, st)
+        if self.rows is not None:
+            self.rows, self.H = rows_out, H_out
+        return y
+
+    def _halo(self, layer, x: torch.Tensor):
+        rows_out, H_out, halos = conv_rows(layer, self.rows, self.H)
+        r, n = self.comm.rank, self.comm.world_size
+        zt, fp, fn, zb = halos[r]
+        to_prev = halos[r - 1][2] if r > 0 else 0
+        to_next = halos[r + 1][1] if r + 1 < n else 0
+        top, bottom = exchange_rows(self.comm, x, 3, from_prev=fp, from_next=fn, to_prev=to_prev, to_next=to_next,
+                                    kind="halo_rows")
+        parts = []
+        if zt:
+            parts.append(x.new_zeros(x.shape[:3] + (zt,) + x.shape[4:]))
+        if top is not None:
+            parts.append(top)
+        parts.append(x)
+        if bottom is not None:
+            parts.append(bottom)
+        if zb:
+            parts.append(x.new_zeros(x.shape[:3] + (zb,) + x.shape[4:]))
+        if len(parts) > 1 and rows_out[r][1] > rows_out[r][0]:
+            x = torch.cat(parts, 3)
+        elif rows_out[r][1] <= rows_out[r][0]:
+            x = x[:, :, :, :0]
+        return x, rows_out, H_out
+
+    # -- GroupNorm per frame ---------------------------------------------------
+
+    def norm(self, layer, x: torch.Tensor) -> torch.Tensor:
+        b, c, t, h, w = x.shape
+        g = layer.num_groups
+        cg = c // g
+        x = x.contiguous()
+        xv = x.view(b, g, cg, t, h, w)
+        if t == 0:
+            return x.clone()
+        n_loc = cg * h * w
+        if n_loc:
+            mean, var = _frame_stats(xv)
+        if self.rows is not None:
+            if n_loc:
+                m, v = mean.double(), var.double()
+                sums = torch.stack([m * n_loc, (v + m * m) * n_loc])
+            else:
+                sums = torch.zeros((2, b, g, t), dtype=torch.float64, device=x.device)
+            self.comm.all_reduce(sums, kind="groupnorm_stats")
+            n_all = cg * self.H * w
+            mean = sums[0] / n_all
+            var = (sums[1] / n_all - mean * mean).clamp_min(0)
+            mean, var = mean.float(), var.float()
+        if not n_loc:
+            return x.clone()
+        rstd = torch.rsqrt(var + layer.eps).view(b, g, 1, t, 1, 1)
+        mean = mean.view(b, g, 1, t, 1, 1)
+        gamma = layer.weight.float().view(1, g, cg, 1, 1, 1)
+        beta = layer.bias.float().view(1, g, cg, 1, 1, 1)
+        scale = rstd * gamma
+        shift = beta - mean * scale
+        y = torch.addcmul(shift.to(x.dtype), xv, scale.to(x.dtype))
+        return y.view(b, c, t, h, w)
+
+    # -- mid attention -----------------------------------------------------------
+
+    def frame_keys_values(self, k: torch.Tensor, v: torch.Tensor, width: int):
+        """Keys/values of this piece's tokens (B*T, rows*width, C) -> those of the whole frame."""
+        if self.rows is None:
+            return k, v
+        counts = [(b - a) * width for a, b in self.rows]
+        out = []
+        for t in (k, v):
+            parts = self.comm.all_gather_rows(t.transpose(0, 1).contiguous(), counts, kind="attention_kv")
+            out.append(torch.cat(parts, 0).transpose(0, 1))
+        return out[0], out[1]
+
+    def upsampled(self, x: torch.Tensor, temporal: bool) -> torch.Tensor:
+        """After depth-to-space: drop the duplicate of the clip's frame 0; move to the new stage."""
+        if temporal:
+            if self.t_start == 0 and x.shape[2] > 0:
+                x = torch.cat([x[:, :, :1], x[:, :, 2:]], 2)
+            self.t_start = 0 if self.t_start == 0 else 2 * self.t_start - 1
+        if self.rows is not None:
+            self.rows = [(2 * a, 2 * b) for a, b in self.rows]
+            self.H *= 2
+        return x

@@ -1,0 +1,187 @@
+"""Building blocks of the causal video VAE. Parameters only; *how* a block runs is the executor's job.
+
+Every block's ``forward(x, ex)`` takes the activation ``x`` (B, C, T, H, W) of the piece of the
+clip this process holds and an :class:`~.execution.Exec` that knows where that piece sits in the
+clip: the executor supplies each causal conv's missing past frames (copies of frame 0 at the
+start of the clip, the tail of the previous chunk, or frames received from the previous rank) and
+missing rows (zeros at the image border, rows of the neighbouring height slab), reduces GroupNorm
+statistics over the whole frame and gathers attention keys/values of the whole frame. The math of
+one block is therefore the same in every execution mode.
+
+Layer semantics (same as the released model):
+
+- causal conv: time padding is ``k_t - 1`` frames *in front only*; at the start of the clip they
+  are copies of frame 0. Spatial padding is one zero row/column each side for 3x3 convs, none for
+  1x1, and one zero row at the bottom / column at the right for the stride-2 downsamplers.
+- GroupNorm: statistics per frame (over the group's channels and H x W of one frame), eps 1e-6.
+- upsampler: a 1x1x1 conv to ``C * r`` channels, then depth-to-space with the row offset outermost,
+  then column offset, then frame offset, channel innermost; temporal stages drop the second copy of
+  the clip's frame 0; then a causal 3x3x3 conv.
+- mid attention: one head over all channels, per frame over its H x W tokens, with its own
+  GroupNorm and a residual.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import VaeConfig
+
+
+class CausalConv3d(nn.Module):
+    """A 3-D conv with causal time padding. ``pad`` is "same" (3x3, pad 1), "down" (bottom/right) or "none"."""
+
+    def __init__(self, cin: int, cout: int, kernel=(3, 3, 3), stride=(1, 1, 1), pad: str = "same"):
+        super().__init__()
+        self.cin, self.cout = cin, cout
+        self.kernel, self.stride, self.pad = tuple(kernel), tuple(stride), pad
+        self.weight = nn.Parameter(torch.empty(cout, cin, *self.kernel))
+        self.bias = nn.Parameter(torch.empty(cout))
+        fan_in = cin * self.kernel[0] * self.kernel[1] * self.kernel[2]
+        nn.init.normal_(self.weight, std=fan_in ** -0.5)
+        nn.init.zeros_(self.bias)
+
+    @property
+    def rows_pad(self) -> tuple[int, int]:
+        """Zero rows the conv adds at the top and bottom of the whole image."""
+        return {"same": (self.kernel[1] // 2, self.kernel[1] // 2), "down": (0, 1), "none": (0, 0)}[self.pad]
+
+    @property
+    def cols_pad(self) -> tuple[int, int]:
+        return {"same": (self.kernel[2] // 2, self.kernel[2] // 2), "down": (0, 1), "none": (0, 0)}[self.pad]
+
+    def out_rows(self, rows: int) -> int:
+        top, bot = self.rows_pad
+        return (rows + top + bot - self.kernel[1]) // self.stride[1] + 1
+
+    def out_cols(self, cols: int) -> int:
+        left, right = self.cols_pad
+        return (cols + left + right - self.kernel[2]) // self.stride[2] + 1
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor | None = None, rows_padded: bool = False) -> torch.Tensor:
+        """Valid conv in time over ``x`` whose time padding is already in place.
+
+        Rows are zero-padded here unless ``rows_padded`` (the executor then put halo rows in place).
+        """
+        weight = self.weight if weight is None else weight
+        top, bot = (0, 0) if rows_padded else self.rows_pad
+        left, right = self.cols_pad
+        if top == bot and left == right:
+            pad = (0, top, left)
+        else:
+            x = F.pad(x, (left, right, top, bot))
+            pad = 0
+        return F.conv3d(x, weight.to(x.dtype), self.bias.to(x.dtype), stride=self.stride, padding=pad)
+
+    def forward(self, x: torch.Tensor, ex) -> torch.Tensor:
+        return ex.conv(self, x)
+
+
+class GroupNorm(nn.GroupNorm):
+    """GroupNorm whose statistics are taken per frame; the executor may reduce them across slabs."""
+
+    def forward(self, x: torch.Tensor, ex) -> torch.Tensor:  # type: ignore[override]
+        return ex.norm(self, x)
+
+
+class ResnetBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, cfg: VaeConfig):
+        super().__init__()
+        self.norm1 = GroupNorm(cfg.groups, cin, eps=cfg.eps)
+        self.conv1 = CausalConv3d(cin, cout)
+        self.norm2 = GroupNorm(cfg.groups, cout, eps=cfg.eps)
+        self.conv2 = CausalConv3d(cout, cout)
+        self.conv_shortcut = CausalConv3d(cin, cout, kernel=(1, 1, 1), pad="none") if cin != cout else None
+
+    def forward(self, x: torch.Tensor, ex) -> torch.Tensor:
+        # Rebinding ``h`` step by step frees each intermediate as soon as the next one exists.
+        h = F.silu(self.norm1(x, ex), inplace=True)
+        h = self.conv1(h, ex)
+        h = F.silu(self.norm2(h, ex), inplace=True)
+        h = self.conv2(h, ex)
+        if self.conv_shortcut is not None:
+            x = self.conv_shortcut(x, ex)
+        return h.add_(x)
+
+
+class Downsample(nn.Module):
+    """Stride-2 conv over H and W (and over time for temporal stages) with bottom/right zero padding."""
+
+    def __init__(self, channels: int, temporal: bool):
+        super().__init__()
+        self.temporal = temporal
+        self.conv = CausalConv3d(channels, channels, kernel=(3 if temporal else 1, 3, 3),
+                                 stride=(2 if temporal else 1, 2, 2), pad="down")
+
+    def forward(self, x: torch.Tensor, ex) -> torch.Tensor:
+        return self.conv(x, ex)
+
+
+def depth_to_space(x: torch.Tensor, z: int) -> torch.Tensor:
+    """(B, 4*z*C, T, H, W) -> (B, C, T*z, 2H, 2W); input channel ((i*2 + j)*z + tau)*C + c."""
+    b, ch, t, h, w = x.shape
+    c = ch // (4 * z)
+    x = x.view(b, 2, 2, z, c, t, h, w).permute(0, 4, 5, 3, 6, 1, 7, 2)
+    return x.reshape(b, c, t * z, 2 * h, 2 * w)
+
+
+class Upsample(nn.Module):
+    def __init__(self, channels: int, temporal: bool):
+        super().__init__()
+        self.temporal = temporal
+        self.factor = 8 if temporal else 4
+        self.conv = CausalConv3d(channels, channels)  # registered first, as released
+        self.upscale_conv = nn.Conv3d(channels, channels * self.factor, kernel_size=1)
+
+    def forward(self, x: torch.Tensor, ex) -> torch.Tensor:
+        if x.numel():
+            x = F.conv3d(x, self.upscale_conv.weight.to(x.dtype), self.upscale_conv.bias.to(x.dtype))
+        else:  # an empty piece (a rank without frames or rows) still walks every layer
+            x = x.new_zeros((x.shape[0], self.upscale_conv.out_channels) + tuple(x.shape[2:]))
+        x = depth_to_space(x, 2 if self.temporal else 1)
+        x = ex.upsampled(x, self.temporal)
+        return self.conv(x, ex)
+
+
+class MidAttention(nn.Module):
+    """One-head self-attention over the H x W tokens of each frame, with GroupNorm and residual."""
+
+    def __init__(self, channels: int, cfg: VaeConfig):
+        super().__init__()
+        self.group_norm = GroupNorm(cfg.groups, channels, eps=cfg.eps)
+        self.to_q = nn.Linear(channels, channels)
+        self.to_k = nn.Linear(channels, channels)
+        self.to_v = nn.Linear(channels, channels)
+        self.to_out = nn.ModuleList([nn.Linear(channels, channels)])
+
+    def forward(self, x: torch.Tensor, ex) -> torch.Tensor:
+        b, c, t, h, w = x.shape
+        tok = self.group_norm(x, ex).permute(0, 2, 3, 4, 1).reshape(b * t, h * w, c)
+        dt = x.dtype
+        q = F.linear(tok, self.to_q.weight.to(dt), self.to_q.bias.to(dt))
+        k = F.linear(tok, self.to_k.weight.to(dt), self.to_k.bias.to(dt))
+        v = F.linear(tok, self.to_v.weight.to(dt), self.to_v.bias.to(dt))
+        del tok
+        k, v = ex.frame_keys_values(k, v, w)
+        if q.numel() and k.numel():
+            o = F.scaled_dot_product_attention(q, k, v)
+        else:
+            o = q
+        del q, k, v
+        o = F.linear(o, self.to_out[0].weight.to(dt), self.to_out[0].bias.to(dt))
+        return x + o.view(b, t, h, w, c).permute(0, 4, 1, 2, 3)
+
+
+class MidBlock(nn.Module):
+    def __init__(self, channels: int, cfg: VaeConfig):
+        super().__init__()
+        # Registered in the released model's order (attention first), which fixes the parameter order.
+        self.attentions = nn.ModuleList([MidAttention(channels, cfg)])
+        self.resnets = nn.ModuleList([ResnetBlock(channels, channels, cfg) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, ex) -> torch.Tensor:
+        x = self.resnets[0](x, ex)
+        x = self.attentions[0](x, ex)
+        return self.resnets[1](x, ex)

@@ -1,0 +1,285 @@
+"""Per-rank memory model of the VAE's execution modes, and the ``auto`` mode choice.
+
+The model walks the network for the largest piece one rank holds (its frames and rows under the
+mode) and, op by op, adds up the tensors the implementation keeps alive at that moment: a resnet's
+input (kept for the residual), the normalised input, the conv's time/halo-padded copy and its
+output; the upsampler's 1x1 output, its depth-to-space copy and the frame-drop copy; the mid
+attention's tokens, q/k/v and the whole-frame k/v gathered under height sharding. The peak over ops
+is the activation peak. Added to it: the weights, the carried time tails of every causal conv
+(chunked modes: ``k_t - 1`` frames of each conv's input at piece resolution), the clip tensors
+(input, per-piece outputs and their concatenation, the gathered output), all in the compute dtype.
+The benchmark (:mod:`ditsp.bench.vae`) checks it against measured peaks of reduced-width VAEs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import VaeConfig
+
+GiB = 1024 ** 3
+
+
+@dataclass
+class Piece:
+    """What one rank holds at the network input: frames, rows, columns; halo rows per conv side."""
+
+    frames: int
+    rows: int
+    cols: int
+    halo: bool  # rows come from neighbours (height sharding) instead of only zero padding
+    pieces: int  # chunks walked in sequence
+
+
+@dataclass
+class MemoryEstimate:
+    mode: str
+    weights: int
+    activation_peak: int
+    largest_activation: int
+    halo: int
+    carried_state: int
+    io: int
+    piece: Piece
+    peak_op: str = ""
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.activation_peak + self.carried_state + self.io
+
+    def row(self) -> str:
+        g = lambda b: f"{b / GiB:.2f}"  # noqa: E731
+        return (f"{self.mode:14s} total {g(self.total):>6s} GiB = weights {g(self.weights)} + activations "
+                f"{g(self.activation_peak)} (largest tensor {g(self.largest_activation)}, halos {g(self.halo)}) + "
+                f"carried {g(self.carried_state)} + clip {g(self.io)}; piece {self.piece.frames} frames x "
+                f"{self.piece.rows} rows, peak at {self.peak_op}")
+
+
+class _Walk:
+    def __init__(self, bytes_per: int, gn_upcast: bool, halo: bool, carry: bool):
+        self.b, self.gn_upcast, self.halo, self.carry = bytes_per, gn_upcast, halo, carry
+        self.peak, self.peak_op, self.largest, self.halo_bytes, self.state = 0, "", 0, 0, 0
+
+    def size(self, c, t, h, w) -> int:
+        return c * t * h * w * self.b
+
+    def note(self, live: int, op: str, *tensors: int) -> None:
+        if live > self.peak:
+            self.peak, self.peak_op = live, op
+        self.largest = max(self.largest, 0, *tensors)
+
+    def conv(self, held, cin, cout, shape, kt, st, ss, op, pad_bot_only=False):
+        t, h, w = shape
+        tin = self.size(cin, t, h, w)
+        halo_rows = 0
+        if self.halo and ss == 1:
+            halo_rows = 2
+        elif self.halo:
+            halo_rows = 1
+        padded = self.size(cin, t + kt - 1, h + halo_rows, w) if (kt > 1 and t > 1) or halo_rows else 0
+        self.halo_bytes = max(self.halo_bytes, self.size(cin, t + kt - 1, halo_rows, w))
+        if self.carry and kt > 1:
+            self.state += self.size(cin, kt - 1, h, w)
+        t2 = t if st == 1 else (t - 1) // 2 + 1
+        out = self.size(cout, t2, h // ss, w // ss)
+        self.note(held + tin + padded + out, op, tin, padded, out)
+        return (t2, h // ss, w // ss)
+
+    def norm(self, held, c, shape, op):
+        x = self.size(c, *shape)
+        up = 2 * x if self.gn_upcast else 0
+        self.note(held + x + x + up, op, x)
+
+    def resnet(self, cin, cout, shape, op, extra_held=0):
+        x = self.size(cin, *shape)
+        self.norm(extra_held + 0, cin, shape, op + ".norm1")
+        self.conv(extra_held + x, cin, cout, shape, 3, 1, 1, op + ".conv1")
+        self.norm(extra_held + x, cout, shape, op + ".norm2")
+        self.conv(extra_held + x, cout, cout, shape, 3, 1, 1, op + ".conv2")
+        if cin != cout:
+            self.note(extra_held + x + 2 * self.size(cout, *shape), op + ".shortcut")
+        return shape
+
+    def attention(self, c, shape, op, full_rows):
+        t, h, w = shape
+        x = self.size(c, t, h, w)
+        kv_full = 2 * self.size(c, t, full_rows, w) if self.halo else 0
+        self.norm(0, c, shape, op + ".norm")
+        self.note(x + 2 * x + 3 * x + kv_full, op + ".qkv", x, kv_full)
+        self.note(x + 3 * x + kv_full + x, op + ".out")
+
+    def upsample(self, c, shape, temporal, op):
+        t, h, w = shape
+        r = 8 if temporal else 4
+        x = self.size(c, t, h, w)
+        up = r * x
+        t2 = 2 * t - 1 if temporal else t
+        if temporal and t == 1 and not self.carry:
+            pass
+        self.note(x + 2 * up, op + ".depth_to_space", up)
+        new = (t2 if temporal else t, 2 * h, 2 * w)
+        xs = self.size(c, *new)
+        if temporal:
+            self.note(x + up + xs, op + ".frame_drop")
+        self.conv(x, c, c, new, 3, 1, 1, op + ".conv")
+        return new
+
+
+def _walk_encoder(cfg: VaeConfig, wk: _Walk, shape, full_rows: int):
+    w = cfg.widths
+    shape = wk.conv(wk.size(cfg.in_channels, *shape), cfg.in_channels, w[0], shape, 3, 1, 1, "encoder.conv_in")
+    cin = w[0]
+    for i, c in enumerate(w):
+        for j in range(cfg.layers_per_block):
+            wk.resnet(cin if j == 0 else c, c, shape, f"encoder.down_blocks.{i}.resnets.{j}")
+        cin = c
+        if i < len(w) - 1:
+            temporal = i in cfg.temporal_down_blocks
+            shape = wk.conv(0, c, c, shape, 3 if temporal else 1, 2 if temporal else 1, 2,
+                            f"encoder.down_blocks.{i}.downsamplers.0")
+    mid = w[-1]
+    wk.resnet(mid, mid, shape, "encoder.mid_block.resnets.0")
+    wk.attention(mid, shape, "encoder.mid_block.attentions.0", full_rows)
+    wk.resnet(mid, mid, shape, "encoder.mid_block.resnets.1")
+    wk.norm(0, mid, shape, "encoder.conv_norm_out")
+    wk.conv(0, mid, 2 * cfg.latent_channels, shape, 3, 1, 1, "encoder.conv_out")
+
+
+def _walk_decoder(cfg: VaeConfig, wk: _Walk, shape, full_rows: int):
+    w = tuple(reversed(cfg.widths))
+    shape = wk.conv(0, cfg.latent_channels, w[0], shape, 3, 1, 1, "decoder.conv_in")
+    wk.resnet(w[0], w[0], shape, "decoder.mid_block.resnets.0")
+    wk.attention(w[0], shape, "decoder.mid_block.attentions.0", full_rows)
+    wk.resnet(w[0], w[0], shape, "decoder.mid_block.resnets.1")
+    cin = w[0]
+    for i, c in enumerate(w):
+        for j in range(cfg.layers_per_block + 1):
+            wk.resnet(cin if j == 0 else c, c, shape, f"decoder.up_blocks.{i}.resnets.{j}")
+        cin = c
+        if i < len(w) - 1:
+            shape = wk.upsample(c, shape, i in cfg.temporal_up_blocks, f"decoder.up_blocks.{i}.upsamplers.0")
+    wk.norm(0, w[-1], shape, "decoder.conv_norm_out")
+    wk.conv(0, w[-1], cfg.out_channels, shape, 3, 1, 1, "decoder.conv_out")
+
+
+def num_params(cfg: VaeConfig) -> int:
+    from .model import VideoVAE
+
+    with torch.device("meta"):
+        m = VideoVAE(cfg)
+    return sum(p.numel() for p in m.parameters())
+
+
+def piece_of(cfg: VaeConfig, op: str, shape, world: int, mode: str, chunk: int = 1, tile: int = 32,
+             overlap: int = 8) -> Piece:
+    """The largest piece one rank holds (input frames/rows/cols of the network: pixels or latents)."""
+    from .sharded import TimeLayout, even_split
+
+    T, H, W = shape
+    t, h, w = cfg.latent_shape(T, H, W)
+    s, f = cfg.spatial_factor, cfg.temporal_factor
+    enc = op == "encode"
+    frames_all, rows_all, cols = (T, H, W) if enc else (t, h, w)
+    chunk_frames = (1 + f * chunk) if enc else (1 + chunk)
+    slab = -(-h // world)
+    slab_rows = (slab * s + (H - h * s)) if enc else slab
+    n_chunks = max(1, math.ceil((t - 1) / chunk)) if t > 1 else 1
+    if mode == "replicated":
+        return Piece(frames_all, rows_all, cols, False, 1)
+    if mode == "chunked":
+        return Piece(min(chunk_frames, frames_all), rows_all, cols, False, n_chunks)
+    if mode == "time":
+        lat = max(q - p for p, q in TimeLayout(t, world, f).latents)
+        fr = f * lat + 1 if enc else lat + 1  # rank 0 holds frame 0 as well
+        return Piece(min(fr, frames_all), rows_all, cols, False, 1)
+    if mode == "height":
+        return Piece(frames_all, slab_rows, cols, world > 1, 1)
+    if mode == "height+chunks":
+        return Piece(min(chunk_frames, frames_all), slab_rows, cols, world > 1, n_chunks)
+    if mode == "tiled":
+        tl = min(tile, h) * (s if enc else 1)
+        tc = min(tile, w) * (s if enc else 1)
+        return Piece(min(chunk_frames, frames_all), tl, tc, False, n_chunks)
+    raise ValueError(mode)
+
+
+def estimate(cfg: VaeConfig, op: str, shape, world: int, mode: str, dtype=torch.bfloat16, chunk: int = 1,
+             tile: int = 32, overlap: int = 8, gather: bool = True) -> MemoryEstimate:
+    """Modelled peak bytes of one rank running ``op`` ("encode"/"decode") of a (T, H, W) pixel clip."""
+    b = torch.empty((), dtype=dtype).element_size()
+    T, H, W = shape
+    t, h, w = cfg.latent_shape(T, H, W)
+    pc = piece_of(cfg, op, shape, world, mode, chunk, tile, overlap)
+    carry = mode in ("chunked", "height+chunks", "tiled") and pc.pieces > 1 or mode == "time"
+    wk = _Walk(b, False, pc.halo, carry)
+    if op == "encode":
+        _walk_encoder(cfg, wk, (pc.frames, pc.rows, pc.cols), h)
+    else:
+        _walk_decoder(cfg, wk, (pc.frames, pc.rows, pc.cols), h)
+    lat = 2 * cfg.latent_channels * t * h * w * b
+    vid = cfg.in_channels * T * H * W * b
+    if op == "encode":
+        io = vid + 2 * lat
+    else:
+        share = vid if mode in ("replicated", "chunked", "tiled") or world == 1 else \
+            vid * (pc.frames / max(T, 1) if mode == "time" else pc.rows / h)
+        io = lat + share * (2 if pc.pieces > 1 else 1) + (2 * vid if gather and world > 1 and mode not in (
+            "replicated", "chunked", "tiled") else 0) + (vid if mode == "tiled" else 0)
+    return MemoryEstimate(mode, num_params(cfg) * b, wk.peak, wk.largest, wk.halo_bytes, wk.state, int(io), pc,
+                          wk.peak_op)
+
+
+# Relative cost (time per rank, 1 = one device's plain pass) used to rank the modes that fit.
+def _cost(cfg: VaeConfig, op: str, shape, world: int, mode: str) -> float:
+    from .sharded import TimeLayout, even_split
+
+    T, H, W = shape
+    t, h, w = cfg.latent_shape(T, H, W)
+    if mode == "replicated":
+        return 1.0
+    if mode == "chunked":
+        return 1.03
+    if mode == "time":
+        share = max(q - p for p, q in TimeLayout(t, world).latents) / t
+        return share + 0.02 * world
+    slab = max(b - a for a, b in even_split(h, world)) / h
+    if mode == "height":
+        return slab * 1.1 + 0.02 * world
+    if mode == "height+chunks":
+        return slab * 1.15 + 0.02 * world
+    return 1.5  # tiled: overlap recompute, and approximate
+
+
+@dataclass
+class Choice:
+    mode: str
+    report: str
+    estimates: dict = field(default_factory=dict)
+
+
+def choose_mode(cfg: VaeConfig, op: str, shape, world: int, budget: int | None, dtype=torch.bfloat16, chunk: int = 1,
+                tile: int = 32, overlap: int = 8) -> Choice:
+    """The cheapest exact mode whose modelled per-rank peak fits ``budget`` (tiled only if none does).
+
+    A pure function of its arguments, so every rank that agreed on them picks the same mode.
+    """
+    T = shape[0]
+    cands = ["replicated", "chunked"]
+    if world > 1:
+        if cfg.latent_shape(*shape)[0] >= 2:
+            cands.append("time")
+        cands += ["height", "height+chunks"]
+    est = {m: estimate(cfg, op, shape, world, m, dtype, chunk, tile, overlap) for m in cands + ["tiled"]}
+    fits = [m for m in cands if budget is None or est[m].total <= budget]
+    if fits:
+        m = min(fits, key=lambda m: (_cost(cfg, op, shape, world, m), cands.index(m)))
+        note = "no budget" if budget is None else f"fits {budget / GiB:.2f} GiB"
+        return Choice(m, f"auto: cheapest exact mode, modelled {est[m].total / GiB:.2f} GiB per rank, {note}", est)
+    if budget is not None and est["tiled"].total <= budget:
+        return Choice("tiled", f"auto: no exact mode fits {budget / GiB:.2f} GiB; tiled (APPROXIMATE), modelled "
+                               f"{est['tiled'].total / GiB:.2f} GiB", est)
+    raise MemoryError(f"no VAE mode fits {budget / GiB:.2f} GiB per rank for {op} {shape} at SP={world}: "
+                      + "; ".join(f"{m} {e.total / GiB:.2f} GiB" for m, e in est.items()))

@@ -1,0 +1,285 @@
+"""Parallel and memory-bounded execution of the VAE across an SP group.
+
+Modes (all exact except ``tiled``; every rank returns the same full result unless asked to keep
+its slab):
+
+``replicated``     every rank runs the whole clip in one pass (small inputs; no communication).
+``chunked``        every rank runs the whole clip as causal time chunks (``chunk`` latent frames
+                   each) with each conv's tail carried over: memory bounded by one chunk.
+``time``           temporal SP: rank r owns a consecutive range of latent frames (and the input
+                   frames that map onto them); each causal conv receives its past frames from rank
+                   r - 1 and forwards its own tail to rank r + 1 (:mod:`ditsp.dist.halo`).
+``height``         height slabs at multiples of one latent row (8 input rows); per-conv row halos,
+                   GroupNorm statistics reduced over slabs per frame, mid-attention keys/values
+                   gathered per frame.
+``height+chunks``  height slabs, each rank walking its slab in causal time chunks.
+``tiled``          one device, overlapping spatial tiles blended with a raised cosine
+                   (:mod:`.tiled`): APPROXIMATE (each tile has its own GroupNorm statistics and
+                   attention), for little memory only.
+
+Ranks with nothing to hold (more ranks than latent rows or frames) still take part in every
+collective and produce empty pieces. Every entry point first makes the ranks agree on mode,
+shapes, dtype and chunking (:func:`ditsp.dist.agree.agree`), so a mismatch raises on every rank
+instead of hanging. ``mode="auto"`` picks, identically on every rank, the cheapest mode whose
+modelled per-rank memory (:mod:`.memory`) fits the budget.
+
+Slab ownership for the hand-off to the DiT: after ``encode(..., keep_sharded=True)`` rank r holds
+the latent rows ``layout.rank_rows(r) = (t0, t1, h0, h1)`` (all columns) in canonical latent
+coordinates; :meth:`ParallelVAE.decode_slab` takes such a slab back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ....dist.agree import agree
+from ....dist.comm import Comm
+from .execution import Exec
+from .model import Posterior, VideoVAE, check_video, decoder_pieces, encoder_pieces
+
+MODES = ("replicated", "chunked", "time", "height", "height+chunks", "tiled")
+EXACT_MODES = MODES[:-1]
+
+
+def even_split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``n`` items into ``parts`` consecutive ranges, sizes differing by at most one; ranges past
+    ``n`` (more parts than items) are empty and come last."""
+    used = min(parts, n)
+    out, a = [], 0
+    for r in range(parts):
+        size = n // used + (1 if r < n % used else 0) if r < used else 0
+        out.append((a, a + size))
+        a += size
+    return out
+
+
+@dataclass(frozen=True)
+class SlabLayout:
+    """Which latent rows each rank of a height-sharded clip holds (all frames, all columns).
+
+    ``t, h, w``: the latent grid; ``H, W``: the pixel frame. Rank r holds latent rows
+    ``rows[r] = (h0, h1)``, i.e. pixel rows ``[8 h0, 8 h1)`` (the last non-empty slab also takes
+    the rows past ``8 h`` that an H not divisible by 8 leaves). Ranks past the last slab hold none.
+    """
+
+    t: int
+    h: int
+    w: int
+    H: int
+    W: int
+    world: int
+
+    @classmethod
+    def for_latent(cls, t: int, h: int, w: int, world: int, spatial: int = 8) -> "SlabLayout":
+        return cls(t, h, w, h * spatial, w * spatial, world)
+
+    @property
+    def rows(self) -> list[tuple[int, int]]:
+        return even_split(self.h, self.world)
+
+    def rank_rows(self, rank: int) -> tuple[int, int, int, int]:
+        """(t0, t1, h0, h1): the canonical latent range rank ``rank`` holds (columns: all of ``[0, w)``)."""
+        h0, h1 = self.rows[rank]
+        return 0, self.t, h0, h1
+
+    def pixel_rows(self, spatial: int = 8) -> list[tuple[int, int]]:
+        rows = [(spatial * a, spatial * b) for a, b in self.rows]
+        last = max(r for r, (a, b) in enumerate(rows) if b > a)
+        rows[last] = (rows[last][0], self.H)
+        return [(a, b) if r <= last else (self.H, self.H) for r, (a, b) in enumerate(rows)]
+
+    @property
+    def active(self) -> int:
+        return min(self.world, self.h)
+
+
+@dataclass(frozen=True)
+class TimeLayout:
+    """Which latent frames each rank of a time-sharded clip holds, and the input frames behind them.
+
+    Latent frame 0 comes from input frame 0, latent frame j >= 1 from input frames 4j-3 .. 4j, so
+    latent range [p, q) maps to input frames [max(0, 4p - 3), 4q - 3) (p = 0 gives [0, 4q - 3)).
+    """
+
+    t: int
+    world: int
+    factor: int = 4
+
+    @property
+    def latents(self) -> list[tuple[int, int]]:
+        return even_split(self.t, self.world)
+
+    def frames(self, p: int, q: int) -> tuple[int, int]:
+        f = lambda j: 0 if j == 0 else self.factor * j - (self.factor - 1)  # noqa: E731
+        return (f(p), f(q)) if q > p else (f(p), f(p))
+
+
+@dataclass
+class Encoded:
+    """Encoder result: the posterior (whole, or this rank's slab when ``layout`` is set)."""
+
+    posterior: Posterior
+    mode: str
+    report: str
+    layout: SlabLayout | None = None
+
+
+def _gather(comm: Comm, x: torch.Tensor, dim: int, counts: list[int], kind: str) -> torch.Tensor:
+    """Concatenate every rank's piece along ``dim`` (pieces of ``counts[r]`` along it), on every rank."""
+    if comm.world_size == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    parts = comm.all_gather_rows(moved, counts, kind=kind)
+    return torch.cat(parts, 0).movedim(0, dim)
+
+
+class ParallelVAE:
+    """Runs a :class:`VideoVAE` on an SP group (``comm``; ``None`` = one device).
+
+    ``chunk``: latent frames per causal chunk in the chunked modes. ``budget_bytes``: per-rank memory
+    budget for ``mode="auto"`` (``None``: no limit). ``tile``/``overlap``: latent tile size and
+    overlap of the tiled mode.
+    """
+
+    def __init__(self, vae: VideoVAE, comm: Comm | None = None, *, chunk: int = 1, budget_bytes: int | None = None,
+                 tile: int = 32, overlap: int = 8):
+        self.vae, self.cfg = vae, vae.cfg
+        self.comm = comm or Comm.single()
+        self.chunk, self.budget, self.tile, self.overlap = chunk, budget_bytes, tile, overlap
+
+    # -- mode choice -----------------------------------------------------------------
+
+    def resolve(self, op: str, shape: tuple[int, int, int], mode: str) -> tuple[str, str]:
+        """(mode, report) for ``op`` ("encode"/"decode") of a clip with pixel shape (T, H, W)."""
+        from .memory import choose_mode
+
+        agree(self.comm, f"vae.{op} request", {"mode": mode, "shape": list(shape), "dtype": str(self.vae.dtype),
+                                               "chunk": self.chunk, "budget": self.budget, "tile": [self.tile, self.overlap],
+                                               "widths": list(self.cfg.widths)})
+        if mode == "auto":
+            choice = choose_mode(self.cfg, op, shape, self.comm.world_size, self.budget, self.vae.dtype, self.chunk,
+                                 tile=self.tile, overlap=self.overlap)
+            mode, why = choice.mode, choice.report
+        elif mode not in MODES:
+            raise ValueError(f"unknown VAE mode {mode!r}; choose one of {MODES} or 'auto'")
+        else:
+            why = "requested"
+        T, H, W = shape
+        if mode in ("height", "height+chunks") and H < self.cfg.spatial_factor:
+            raise ValueError(f"height sharding needs at least {self.cfg.spatial_factor} rows")
+        report = f"VAE {op} mode {mode} (SP={self.comm.world_size}, {why})"
+        return mode, report
+
+    # -- encode ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode(self, video: torch.Tensor, mode: str = "auto", keep_sharded: bool = False) -> Encoded:
+        """Posterior of ``video`` (B, 3, T, H, W), given whole on every rank.
+
+        ``keep_sharded`` (height modes): return only this rank's latent slab and its layout.
+        """
+        x = check_video(video, self.cfg).to(self.vae.dtype)
+        T, H, W = x.shape[2:]
+        mode, report = self.resolve("encode", (T, H, W), mode)
+        t, h, w = self.cfg.latent_shape(T, H, W)
+        comm, r, n = self.comm, self.comm.rank, self.comm.world_size
+        layout = None
+        if mode in ("replicated", "chunked"):
+            pieces = encoder_pieces(T, self.chunk if mode == "chunked" else None)
+            m = self.vae.run_encoder(x, Exec(carry={} if len(pieces) > 1 else None), pieces)
+        elif mode == "time":
+            tl = TimeLayout(t, n, self.cfg.temporal_factor)
+            p, q = tl.latents[r]
+            a, b = tl.frames(p, q)
+            m = self.vae.encoder(x[:, :, a:b], Exec(comm, time_chain=True).begin(a))
+            m = _gather(comm, m, 2, [q_ - p_ for p_, q_ in tl.latents], "output_gather")
+        elif mode in ("height", "height+chunks"):
+            layout = SlabLayout(t, h, w, H, W, n)
+            prow = layout.pixel_rows(self.cfg.spatial_factor)
+            a, b = prow[r]
+            pieces = encoder_pieces(T, self.chunk if mode == "height+chunks" else None)
+            ex = Exec(comm, carry={} if len(pieces) > 1 else None)
+            local = x[:, :, :, a:b]
+            m = self.vae.run_encoder_rows(local, ex, pieces, prow, H)
+            if not keep_sharded:
+                m = _gather(comm, m, 3, [q_ - p_ for p_, q_ in layout.rows], "output_gather")
+        else:  # tiled
+            from .tiled import tiled_encode
+
+            m = tiled_encode(self.vae, x, self.tile, self.overlap, self.chunk)
+        post = Posterior.from_moments(m, self.cfg.logvar_range)
+        return Encoded(post, mode, report, layout if keep_sharded and layout is not None else None)
+
+    @torch.no_grad()
+    def encode_latent(self, video: torch.Tensor, mode: str = "auto", noise: torch.Tensor | None = None,
+                      generator: torch.Generator | None = None, keep_sharded: bool = False):
+        """The DiT's latent (posterior sample x scale, (B, 16, t, h, w)) and the slab layout (or None).
+
+        ``noise``/``generator`` give the canonical (whole-latent) draw; a sharded rank uses its rows of it.
+        """
+        enc = self.encode(video, mode, keep_sharded)
+        mean = enc.posterior.mean
+        if noise is None:
+            T, H, W = video.shape[2:]
+            t, h, w = self.cfg.latent_shape(T, H, W)
+            noise = torch.randn((mean.shape[0], mean.shape[1], t, h, w), generator=generator, dtype=mean.dtype)
+        if enc.layout is not None:
+            _, _, h0, h1 = enc.layout.rank_rows(self.comm.rank)
+            noise = noise[:, :, :, h0:h1]
+        return self.vae.to_latent(enc.posterior.sample(noise)), enc
+
+    # -- decode ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def decode(self, z: torch.Tensor, mode: str = "auto") -> torch.Tensor:
+        """Video of an unscaled latent ``z`` (B, 16, t, h, w), given whole on every rank."""
+        t, h, w = z.shape[2:]
+        T, H, W = self.cfg.decoded_shape(t, h, w)
+        mode, report = self.resolve("decode", (T, H, W), mode)
+        self.last_report = report
+        comm, r, n = self.comm, self.comm.rank, self.comm.world_size
+        z = z.to(self.vae.dtype)
+        if mode in ("replicated", "chunked"):
+            pieces = decoder_pieces(t, self.chunk if mode == "chunked" else None)
+            return self.vae.run_decoder(z, Exec(carry={} if len(pieces) > 1 else None), pieces)
+        if mode == "time":
+            tl = TimeLayout(t, n, self.cfg.temporal_factor)
+            p, q = tl.latents[r]
+            out = self.vae.decoder(z[:, :, p:q], Exec(comm, time_chain=True).begin(p))
+            counts = [tl.frames(p_, q_)[1] - tl.frames(p_, q_)[0] for p_, q_ in tl.latents]
+            return _gather(comm, out, 2, counts, "output_gather")
+        if mode in ("height", "height+chunks"):
+            layout = SlabLayout.for_latent(t, h, w, n, self.cfg.spatial_factor)
+            _, _, h0, h1 = layout.rank_rows(r)
+            return self._decode_rows(z[:, :, :, h0:h1], layout, mode, gather=True)
+        from .tiled import tiled_decode
+
+        return tiled_decode(self.vae, z, self.tile, self.overlap, self.chunk)
+
+    @torch.no_grad()
+    def decode_slab(self, z_slab: torch.Tensor, layout: SlabLayout, chunked: bool = True,
+                    gather: bool = True) -> torch.Tensor:
+        """Decode from this rank's latent slab (rows ``layout.rank_rows(rank)``); every rank calls it.
+
+        Returns the whole video on every rank, or with ``gather=False`` this rank's pixel rows
+        ``[8 h0, 8 h1)``.
+        """
+        mode = "height+chunks" if chunked else "height"
+        T, H, W = self.cfg.decoded_shape(layout.t, layout.h, layout.w)
+        self.resolve("decode_slab", (T, H, W), mode)
+        agree(self.comm, "vae.decode_slab layout", [layout.t, layout.h, layout.w, layout.world])
+        _, _, h0, h1 = layout.rank_rows(self.comm.rank)
+        if z_slab.shape[3] != h1 - h0:
+            raise ValueError(f"rank {self.comm.rank} holds {z_slab.shape[3]} latent rows, layout says {h1 - h0}")
+        return self._decode_rows(z_slab.to(self.vae.dtype), layout, mode, gather)
+
+    def _decode_rows(self, z_local: torch.Tensor, layout: SlabLayout, mode: str, gather: bool) -> torch.Tensor:
+        pieces = decoder_pieces(layout.t, self.chunk if mode == "height+chunks" else None)
+        ex = Exec(self.comm, carry={} if len(pieces) > 1 else None)
+        out = self.vae.run_decoder_rows(z_local, ex, pieces, layout.rows, layout.h)
+        if not gather:
+            return out
+        s = self.cfg.spatial_factor
+        return _gather(self.comm, out, 3, [s * (b - a) for a, b in layout.rows], "output_gather")
