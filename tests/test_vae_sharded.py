@@ -1,0 +1,154 @@
+"""Every parallel VAE mode on real gloo ranks equals one device (fp32, 1e-5 of max|ref|)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ditsp.dist.agree import DisagreementError
+from ditsp.dist.comm import Comm
+from ditsp.dist.halo import exchange_rows
+from ditsp.models.seedvr2.vae import TINY
+from ditsp.models.seedvr2.vae.fixtures import seeded_vae
+from ditsp.models.seedvr2.vae.sharded import ParallelVAE, SlabLayout, TimeLayout, even_split
+
+pytestmark = pytest.mark.timeout(240)
+DATA = Path(__file__).parent / "data" / "vae-tiny"
+REL = 1e-5
+EXACT = ["time", "height", "height+chunks"]
+
+
+def rel_err(out, ref):
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+def clip(T, H, W, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(1, 3, T, H, W, generator=g) * 2 - 1
+
+
+# ----------------------------------------------------------------- rank-side
+
+
+def vectors_all_modes(ctx):
+    torch.set_num_threads(1)
+    vae, io = seeded_vae(TINY), load_file(DATA / "io.safetensors")
+    pv = ParallelVAE(vae, Comm(ctx.group))
+    out = {}
+    for mode in EXACT:
+        enc = pv.encode(io["video"], mode=mode)
+        dec = pv.decode(io["posterior_mean"], mode=mode)
+        out[mode] = (rel_err(enc.posterior.mean, io["posterior_mean"]), rel_err(enc.posterior.logvar, io["posterior_logvar"]),
+                     rel_err(dec, io["decoded_from_mean"]), enc.report)
+    return out
+
+
+def odd_sizes_and_empty_ranks(ctx, shapes):
+    """(T, H, W) clips whose latent rows/frames do not split evenly, or are fewer than the ranks."""
+    torch.set_num_threads(1)
+    vae = seeded_vae(TINY)
+    pv, one = ParallelVAE(vae, Comm(ctx.group)), ParallelVAE(vae)
+    errs = []
+    for T, H, W in shapes:
+        x = clip(T, H, W)
+        ref_m = one.encode(x, mode="replicated").posterior.mean
+        ref_d = one.decode(ref_m, mode="replicated")
+        for mode in EXACT:
+            if mode == "time" and ref_m.shape[2] < 2:
+                continue
+            errs.append((T, H, W, mode, rel_err(pv.encode(x, mode=mode).posterior.mean, ref_m),
+                         rel_err(pv.decode(ref_m, mode=mode), ref_d)))
+    return errs
+
+
+def slab_handoff(ctx):
+    """Encode left sharded by latent rows, then decode from the slabs; same as the full path."""
+    torch.set_num_threads(1)
+    vae = seeded_vae(TINY)
+    pv = ParallelVAE(vae, Comm(ctx.group))
+    x = clip(5, 40, 24, seed=7)
+    noise = torch.randn(1, 16, 2, 5, 3, generator=torch.Generator().manual_seed(1))
+    full, _ = ParallelVAE(vae).encode_latent(x, mode="replicated", noise=noise)
+    slab, enc = pv.encode_latent(x, mode="height", noise=noise, keep_sharded=True)
+    t0, t1, h0, h1 = enc.layout.rank_rows(ctx.rank)
+    slab_err = rel_err(slab, full[:, :, t0:t1, h0:h1]) if h1 > h0 else 0.0
+    ref = ParallelVAE(vae).decode(vae.from_latent(full), mode="replicated")
+    mine = pv.decode_slab(vae.from_latent(slab), enc.layout, gather=False)
+    whole = pv.decode_slab(vae.from_latent(slab), enc.layout, gather=True)
+    rows = (8 * h0, 8 * h1)
+    return (slab.shape[3], h1 - h0, slab_err, rel_err(mine, ref[:, :, :, rows[0]:rows[1]]) if h1 > h0 else 0.0,
+            tuple(mine.shape), rel_err(whole, ref))
+
+
+def mismatched_modes(ctx):
+    pv = ParallelVAE(seeded_vae(TINY), Comm(ctx.group))
+    try:
+        pv.encode(clip(5, 16, 16), mode="height" if ctx.rank == 0 else "time")
+    except DisagreementError as e:
+        return str(e)
+    return None
+
+
+def halo_rows(ctx):
+    comm = Comm(ctx.group)
+    r, n = ctx.rank, ctx.world_size
+    x = torch.arange(3 * (r + 1), dtype=torch.float32).view(-1, 1) + 100 * r  # ranks hold 3, 6, 9... rows
+    top, bot = exchange_rows(comm, x, 0, from_prev=1 if r else 0, from_next=2 if r < n - 1 else 0,
+                             to_prev=2 if r else 0, to_next=1 if r < n - 1 else 0)
+    return (None if top is None else top.flatten().tolist(), None if bot is None else bot.flatten().tolist())
+
+
+# ----------------------------------------------------------------- tests
+
+
+def test_layouts():
+    assert even_split(5, 3) == [(0, 2), (2, 4), (4, 5)]
+    assert even_split(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    lay = SlabLayout(3, 6, 10, 52, 80, 4)  # 52 rows: the last slab takes the 4 rows past 48
+    assert lay.rows == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    assert lay.pixel_rows() == [(0, 16), (16, 32), (32, 40), (40, 52)]
+    assert lay.rank_rows(1) == (0, 3, 2, 4)
+    tl = TimeLayout(5, 2)
+    assert tl.latents == [(0, 3), (3, 5)] and tl.frames(0, 3) == (0, 9) and tl.frames(3, 5) == (9, 17)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_mode_reproduces_reference(clusters, world):
+    results = clusters(world).run(vectors_all_modes)
+    for rank, res in enumerate(results):
+        for mode, (e_mean, e_logvar, e_dec, report) in res.items():
+            assert max(e_mean, e_logvar, e_dec) <= REL, (rank, mode, e_mean, e_logvar, e_dec)
+            assert f"mode {mode} (SP={world}" in report
+
+
+@pytest.mark.parametrize("world,shapes", [
+    (2, [(17, 24, 16)]),                    # clip longer than a chunk; 3 latent rows over 2 ranks
+    (3, [(5, 44, 24), (1, 16, 16)]),        # 5 latent rows over 3; an image with fewer rows (2) than ranks
+    (4, [(9, 52, 16), (5, 8, 24)]),         # 52 rows (4 past the last latent row); 1 latent row, 2 frames
+])
+def test_odd_sizes_and_empty_ranks(clusters, world, shapes):
+    for rank_errs in clusters(world).run(odd_sizes_and_empty_ranks, shapes):
+        for T, H, W, mode, e_enc, e_dec in rank_errs:
+            assert e_enc <= REL and e_dec <= REL, (T, H, W, mode, e_enc, e_dec)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_encoder_output_left_sharded_and_decoded_from_slabs(clusters, world):
+    results = clusters(world).run(slab_handoff)
+    for rank, (held, owned, slab_err, dec_err, shape, whole_err) in enumerate(results):
+        assert held == owned
+        assert slab_err <= REL and dec_err <= REL and whole_err <= REL
+        assert shape[3] == 8 * owned
+
+
+def test_mismatched_modes_raise_on_every_rank(clusters):
+    msgs = clusters(2).run(mismatched_modes)
+    assert all(m is not None and "ranks disagree on vae.encode request" in m for m in msgs)
+
+
+def test_halo_exchange_rows(clusters):
+    res = clusters(3).run(halo_rows)
+    assert res[0] == (None, [100.0, 101.0])
+    assert res[1] == ([2.0], [200.0, 201.0])
+    assert res[2] == ([105.0], None)
