@@ -193,7 +193,7 @@ def piece_of(cfg: VaeConfig, op: str, shape, world: int, mode: str, chunk: int =
         return Piece(min(chunk_frames, frames_all), rows_all, cols, False, n_chunks)
     if mode == "time":
         lat = max(q - p for p, q in TimeLayout(t, world, f).latents)
-        fr = f * lat + 1 if enc else lat + 1  # rank 0 holds frame 0 as well
+        fr = f * lat if enc else lat  # rank 0's first latent comes from one frame, later ones from f
         return Piece(min(fr, frames_all), rows_all, cols, False, 1)
     if mode == "height":
         return Piece(frames_all, slab_rows, cols, world > 1, 1)
@@ -213,7 +213,7 @@ def estimate(cfg: VaeConfig, op: str, shape, world: int, mode: str, dtype=torch.
     T, H, W = shape
     t, h, w = cfg.latent_shape(T, H, W)
     pc = piece_of(cfg, op, shape, world, mode, chunk, tile, overlap)
-    carry = mode in ("chunked", "height+chunks", "tiled") and pc.pieces > 1 or mode == "time"
+    carry = mode in ("chunked", "height+chunks", "tiled") and pc.pieces > 1
     wk = _Walk(b, False, pc.halo, carry)
     if op == "encode":
         _walk_encoder(cfg, wk, (pc.frames, pc.rows, pc.cols), h)

@@ -1,0 +1,64 @@
+"""Memory model and the auto mode choice (pure functions: identical on every rank)."""
+
+import pytest
+import torch
+
+from ditsp.models.seedvr2.vae import RELEASED, TINY
+from ditsp.models.seedvr2.vae.fixtures import seeded_vae
+from ditsp.models.seedvr2.vae.memory import GiB, choose_mode, estimate
+from ditsp.models.seedvr2.vae.sharded import ParallelVAE
+from ditsp.models.seedvr2.vae.tiled import ramp, tiles
+
+K4 = (81, 2160, 3840)
+
+
+def test_4k_81_frame_decode_fits_24gb_per_rank_at_sp8():
+    est = estimate(RELEASED, "decode", K4, 8, "height+chunks", torch.bfloat16, gather=False)
+    assert est.total <= 24 * GiB, est.row()
+    # ... while one device's plain pass and the time split alone do not come close.
+    assert estimate(RELEASED, "decode", K4, 1, "replicated").total > 200 * GiB
+    assert estimate(RELEASED, "decode", K4, 8, "time").total > 24 * GiB
+
+
+def test_more_ranks_shrink_the_height_slab():
+    a = [estimate(RELEASED, "decode", K4, n, "height+chunks", gather=False).total for n in (1, 2, 4, 8)]
+    assert a == sorted(a, reverse=True) and a[0] > 3 * a[-1]
+
+
+def test_auto_prefers_the_cheapest_fitting_exact_mode():
+    big = choose_mode(RELEASED, "decode", (81, 720, 1280), 4, None)
+    assert big.mode in ("time", "height")  # no budget: a fully parallel mode without chunk overhead
+    tight = choose_mode(RELEASED, "decode", (81, 720, 1280), 4, 24 * GiB)
+    assert tight.mode in ("height+chunks",) and "fits 24.00 GiB" in tight.report
+    one = choose_mode(RELEASED, "decode", (81, 720, 1280), 1, 24 * GiB)
+    assert one.mode in ("chunked", "tiled")
+    with pytest.raises(MemoryError, match="no VAE mode fits"):
+        choose_mode(RELEASED, "decode", K4, 1, 1 * GiB)
+
+
+def test_auto_falls_back_to_tiled_and_says_approximate():
+    c = choose_mode(RELEASED, "decode", (81, 1072, 1920), 1, 20 * GiB)
+    assert c.mode == "tiled" and "APPROXIMATE" in c.report
+
+
+def test_auto_runs_and_reports_its_mode():
+    pv = ParallelVAE(seeded_vae(TINY))
+    x = torch.rand(1, 3, 5, 16, 16) * 2 - 1
+    enc = pv.encode(x)
+    assert enc.mode == "replicated" and "mode replicated (SP=1, auto" in enc.report
+
+
+def test_tiles_and_ramp():
+    assert tiles(10, 4, 2) == [(0, 4), (2, 6), (4, 8), (6, 10)]
+    assert tiles(7, 4, 1) == [(0, 4), (3, 7)]
+    w = ramp(6, 2, 2)
+    assert w[2] == w[3] == 1 and 0 < w[0] < w[1] < 1 and torch.allclose(w, w.flip(0))
+
+
+def test_tiled_is_approximate_but_close_with_a_wide_overlap():
+    vae = seeded_vae(TINY)
+    x = torch.rand(1, 3, 1, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    exact = ParallelVAE(vae).encode(x, mode="replicated").posterior.mean
+    tiled = ParallelVAE(vae, tile=6, overlap=4).encode(x, mode="tiled").posterior.mean
+    err = ((tiled - exact).abs().max() / exact.abs().max()).item()
+    assert 1e-4 < err < 1.0
