@@ -4,22 +4,59 @@
 them, so tests and benchmarks pay the start-up once. Every call has a
 deadline: a rank that raises or hangs ends the call with its traceback
 (:class:`RankError`), and the cluster is torn down instead of hanging.
+
+Failures say why, on the first line of the :class:`RankError`:
+
+- a rank that raises: its exception (tracebacks follow);
+- a rank that hangs past the deadline: every thread's stack of that rank,
+  dumped by :mod:`faulthandler` on ``SIGUSR1`` (or, without that signal, by a
+  timer armed just before the deadline) into a per-rank file the parent reads;
+- a rank that dies (crash, ``os._exit``, failed start-up): its exit code, the
+  start-up exception or the crash stack when there is one;
+- a function, argument or result that cannot be pickled: said at once (the
+  call is pickled in the parent, the result in the rank), not after the deadline.
+
+Ranks die with their parent: on Linux the kernel kills them when the parent
+dies (``PR_SET_PDEATHSIG``), and everywhere a watchdog thread exits the rank
+when the parent's pipe closes or its pid changes. Ranks stay in the parent's
+process group, so a signal to that group (Ctrl-C, ``kill -TERM -PGID``)
+reaches them too. ``PR_SET_PDEATHSIG`` fires when the *thread* that started
+the ranks exits: start a LocalCluster from a thread that outlives it.
+
+The rendezvous store is hosted by the parent and listens on 127.0.0.1 only
+(a pre-bound loopback socket), and gloo is pinned to the loopback interface
+where there is one (``GLOO_SOCKET_IFNAME``), so local ranks open no port on
+other interfaces.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
+import multiprocessing
+import multiprocessing.connection
 import os
 import queue
+import shutil
+import signal
 import socket
+import sys
+import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+LOOPBACK = "127.0.0.1"
+_START_S = 60.0  # start-up deadline floor (spawning and importing torch take seconds)
+_GRACE_S = 5.0  # once a rank failed, how long its peers get to report theirs
+_STACK_WAIT_S = 2.0  # how long the parent waits for a hung rank's stack dump
 
 
 class RankError(RuntimeError):
@@ -58,37 +95,156 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> RankC
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, tasks, results) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    torch.set_num_threads(threads)
+def loopback_store(world_size: int, timeout_s: float) -> tuple[dist.TCPStore, tuple[str, int]]:
+    """A TCPStore server listening on 127.0.0.1 only, and its address.
+
+    (Left to itself the server listens on every interface; handed a bound
+    loopback socket, it listens there.) The store owns the socket from here on.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        sock.bind((LOOPBACK, 0))
+        sock.listen(128)
+        addr = sock.getsockname()[:2]
+        store = dist.TCPStore(LOOPBACK, addr[1], world_size, True, datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store closes the descriptor when it goes
+    return store, addr
+
+
+def _loopback_ifname() -> str | None:
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+# -- rank side ------------------------------------------------------------------
+
+
+def _kill_self() -> None:
+    if hasattr(signal, "SIGKILL"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(1)
+
+
+def _watch_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """Exit this rank once its parent is gone (parent pipe closed, or re-parented)."""
+    parent = multiprocessing.parent_process()
+    sentinel = getattr(parent, "sentinel", None)
+    while True:
+        if sentinel is not None:
+            try:
+                if multiprocessing.connection.wait([sentinel], timeout=poll_s):
+                    break
+            except OSError:
+                break
+        else:
+            time.sleep(poll_s)
+        if os.getppid() != parent_pid:
+            break
+    _kill_self()
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Make this process end when ``parent_pid`` does (Linux: kernel signal; everywhere: a watchdog).
+
+    ``DITSP_NO_PDEATHSIG=1`` leaves the kernel signal out (tests of the watchdog alone).
+    """
+    if sys.platform.startswith("linux") and os.environ.get("DITSP_NO_PDEATHSIG") != "1":
+        try:
+            import ctypes
+
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watchdog below still covers it
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        _kill_self()
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="ditsp-parent-watchdog", daemon=True).start()
+
+
+def _stack_file(path: str):
+    """Where faulthandler writes this rank's stacks: on SIGUSR1 and on a crash."""
+    fh = open(path, "ab", buffering=0)  # O_APPEND: writes land at the end, also after a truncate
+    faulthandler.enable(file=fh, all_threads=True)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=fh, all_threads=True, chain=False)
+    return fh
+
+
+def _format_exc(e: BaseException) -> str:
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))
+
+
+def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, tasks, results,
+            parent_pid: int | None = None, stack_path: str | None = None) -> None:
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
+    fh = _stack_file(stack_path) if stack_path else None
+    try:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = LOOPBACK, str(port)
+        ifname = _loopback_ifname()
+        if ifname:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+        torch.set_num_threads(threads)
+        store = dist.TCPStore(LOOPBACK, port, world, False, datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
         ctx = RankContext(rank, world, dist.group.WORLD, torch.device("cpu"))
-        results.put((rank, -1, True, None))
-    except BaseException:  # noqa: BLE001 - report any start-up failure to the parent
-        results.put((rank, -1, False, traceback.format_exc()))
+        results.put((rank, -1, True, bytes(ForkingPickler.dumps(None))))
+    except BaseException as e:  # noqa: BLE001 - report any start-up failure to the parent
+        results.put((rank, -1, False, f"{type(e).__name__}: {e}\n{_format_exc(e)}"))
         return
+    timer = fh is not None and not hasattr(signal, "SIGUSR1")
     while True:
         item = tasks.get()
         if item is None:
             break
-        call_id, fn, args, kwargs = item
+        call_id, call_timeout, blob = item
+        if fh is not None:
+            os.ftruncate(fh.fileno(), 0)  # stacks in the file belong to the current call
+            if timer:  # no SIGUSR1 here: dump just before the parent's deadline instead
+                faulthandler.dump_traceback_later(max(0.1, call_timeout - 1.0), file=fh)
+        try:
+            fn, args, kwargs = ForkingPickler.loads(blob)
+        except BaseException as e:  # noqa: BLE001
+            msg = f"cannot unpickle the call on rank {rank}: {type(e).__name__}: {e}\n{_format_exc(e)}"
+            results.put((rank, call_id, False, msg))
+            continue
         try:
             out = fn(ctx, *args, **kwargs)
-            results.put((rank, call_id, True, out))
-        except BaseException:  # noqa: BLE001
-            results.put((rank, call_id, False, traceback.format_exc()))
+        except BaseException as e:  # noqa: BLE001
+            results.put((rank, call_id, False, f"{type(e).__name__}: {e}\n{_format_exc(e)}"))
+            continue
+        finally:
+            if timer:
+                faulthandler.cancel_dump_traceback_later()
+        try:
+            payload = ForkingPickler.dumps(out)
+        except BaseException as e:  # noqa: BLE001
+            msg = (f"the result ({type(out).__name__}) cannot be pickled back to the parent: "
+                   f"{type(e).__name__}: {e}\n{_format_exc(e)}")
+            results.put((rank, call_id, False, msg))
+            continue
+        results.put((rank, call_id, True, bytes(payload)))
     dist.destroy_process_group()
+
+
+# -- parent side ----------------------------------------------------------------
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "(no message)"
 
 
 class LocalCluster:
@@ -99,33 +255,77 @@ class LocalCluster:
     """
 
     def __init__(self, world_size: int, timeout_s: float = 120.0, threads: int = 1):
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an integer >= 1 (compute threads per rank), got {threads!r}")
+        if not timeout_s or timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.threads = threads
         self._procs: list = []
         self._calls = 0
+        self._store = self._addr = None
+        self._stack_dir: str | None = None
         self._start()
+
+    @property
+    def store_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` the rendezvous store listens on (None when closed)."""
+        return self._addr
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
-        port = free_port()
+        self._store, self._addr = loopback_store(self.world_size, max(_START_S, self.timeout_s))
+        port = self._addr[1]
+        self._stack_dir = tempfile.mkdtemp(prefix="ditsp-ranks-")
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self.timeout_s, self.threads, self._tasks[r], self._results),
+                args=(r, self.world_size, port, self.timeout_s, self.threads, self._tasks[r], self._results,
+                      os.getpid(), self._stack_path(r)),
                 daemon=True,
+                name=f"ditsp-rank-{r}",
             )
             for r in range(self.world_size)
         ]
         for p in self._procs:
             p.start()
-        self._collect(-1, time.monotonic() + max(60.0, self.timeout_s), "start-up")
+        self._collect(-1, time.monotonic() + max(_START_S, self.timeout_s), "start-up", max(_START_S, self.timeout_s))
 
-    def _collect(self, call_id: int, deadline: float, what: str) -> list:
+    def _stack_path(self, rank: int) -> str:
+        return os.path.join(self._stack_dir, f"rank{rank}.stacks")
+
+    def _read_stacks(self, rank: int) -> str:
+        try:
+            with open(self._stack_path(rank), "rb") as f:
+                return f.read().decode(errors="replace").strip()
+        except OSError:
+            return ""
+
+    def _hung_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Every thread's stack of each hung rank (asked for with SIGUSR1 where there is one)."""
+        alive = [r for r in ranks if self._procs[r].is_alive()]
+        if hasattr(signal, "SIGUSR1"):
+            for r in alive:
+                try:
+                    os.kill(self._procs[r].pid, signal.SIGUSR1)
+                except OSError:
+                    pass
+        end = time.monotonic() + _STACK_WAIT_S
+        while time.monotonic() < end and not all(self._read_stacks(r) for r in alive):
+            time.sleep(0.05)
+        time.sleep(0.1)  # let a dump that has begun finish
+        return {r: self._read_stacks(r) for r in ranks}
+
+    def _collect(self, call_id: int, deadline: float, what: str, timeout_s: float) -> list:
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
         grace = None  # once a rank failed, peers get a few seconds to report theirs
@@ -139,25 +339,45 @@ class LocalCluster:
             except queue.Empty:
                 for r, p in enumerate(self._procs):
                     if not p.is_alive() and r not in out and r not in errors:
-                        errors[r] = f"rank {r} died (exit code {p.exitcode})"
+                        crash = self._read_stacks(r)
+                        errors[r] = f"rank {r} died (exit code {p.exitcode})" + (f"\n{crash}" if crash else "")
                 if errors and grace is None:
-                    grace = time.monotonic() + 5.0
+                    grace = time.monotonic() + _GRACE_S
                 continue
             if cid != call_id:
                 continue  # a late answer from an earlier, failed call
             if ok:
-                out[rank] = payload
+                try:
+                    out[rank] = ForkingPickler.loads(payload)
+                except BaseException as e:  # noqa: BLE001
+                    errors[rank] = (f"the result of rank {rank} cannot be unpickled in the parent: "
+                                    f"{type(e).__name__}: {e}\n{_format_exc(e)}")
+                    grace = grace or time.monotonic() + _GRACE_S
             else:
                 errors[rank] = payload
-                grace = grace or time.monotonic() + 5.0
+                grace = grace or time.monotonic() + _GRACE_S
         if errors or len(out) < self.world_size:
             missing = [r for r in range(self.world_size) if r not in out and r not in errors]
+            stacks = self._hung_stacks(missing) if missing else {}
             self.close(force=True)
-            parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
-            if missing:
-                parts.append(f"ranks {missing} did not answer within the deadline of {what}")
-            raise RankError(f"{what} failed on {self.world_size} ranks:\n" + "\n".join(parts))
+            raise RankError(self._report(what, timeout_s, errors, missing, stacks, grace is not None))
         return [out[r] for r in range(self.world_size)]
+
+    def _report(self, what, timeout_s, errors, missing, stacks, after_failure) -> str:
+        """One line naming what went wrong on which rank, then the details."""
+        by_line: dict[str, list[int]] = {}
+        for r, tb in sorted(errors.items()):
+            by_line.setdefault(_first_line(tb), []).append(r)
+        summary = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {line}" for line, rs in by_line.items()]
+        if missing:
+            why = (f"no answer within {_GRACE_S:g} s of the failure above" if after_failure
+                   else f"did not answer within the deadline of {timeout_s:g} s")
+            summary.append(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} {why}")
+        parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
+        for r in missing:
+            st = stacks.get(r) or "(no stack dump came back)"
+            parts.append(f"--- rank {r}: no answer; every thread's stack ---\n{st}")
+        return f"{what} failed on {self.world_size} ranks: " + "; ".join(summary) + "\n" + "\n".join(parts)
 
     @property
     def alive(self) -> bool:
@@ -166,30 +386,41 @@ class LocalCluster:
     def run(self, fn: Callable, *args, timeout_s: float | None = None, **kwargs) -> list:
         """Run ``fn(ctx, *args, **kwargs)`` on every rank; the per-rank results in rank order.
 
-        ``fn`` must be importable by name (a module-level function).
+        ``fn`` must be importable by name (a module-level function); ``fn``, the
+        arguments and the results must pickle. A call that cannot be pickled
+        raises :class:`RankError` at once, and the cluster stays up.
         """
+        name = getattr(fn, "__name__", "call")
         if not self.alive:
             self.close(force=True)
             self._start()
+        try:  # one pickle per rank: shared tensors hand out their file descriptor once per pickle
+            blobs = [bytes(ForkingPickler.dumps((fn, args, kwargs))) for _ in range(self.world_size)]
+        except Exception as e:  # noqa: BLE001
+            raise RankError(f"{name}: cannot send the call to the ranks (function or arguments do not pickle): "
+                            f"{type(e).__name__}: {e}") from e
         self._calls += 1
-        for q in self._tasks:
-            q.put((self._calls, fn, args, kwargs))
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        return self._collect(self._calls, deadline, getattr(fn, "__name__", "call"))
+        limit = timeout_s or self.timeout_s
+        for q, blob in zip(self._tasks, blobs):
+            q.put((self._calls, limit, blob))
+        return self._collect(self._calls, time.monotonic() + limit, name, limit)
 
     def close(self, force: bool = False) -> None:
-        if not self._procs:
-            return
-        if not force:
-            for q in self._tasks:
-                q.put(None)
+        if self._procs:
+            if not force:
+                for q in self._tasks:
+                    q.put(None)
+                for p in self._procs:
+                    p.join(timeout=5)
             for p in self._procs:
-                p.join(timeout=5)
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        self._procs = []
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+            self._procs = []
+        self._store = self._addr = None  # the store server stops and closes its socket
+        if self._stack_dir is not None:
+            shutil.rmtree(self._stack_dir, ignore_errors=True)
+            self._stack_dir = None
 
     def __enter__(self) -> "LocalCluster":
         return self

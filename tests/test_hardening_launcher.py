@@ -1,0 +1,216 @@
+"""LocalCluster hardening: ranks die with their parent, failures say why, the store stays on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ditsp.dist.launcher import LocalCluster, RankError
+
+ROOT = Path(__file__).resolve().parents[1]
+LINUX = sys.platform.startswith("linux") and Path("/proc/self/stat").exists()
+
+
+# -- helpers run on the ranks -----------------------------------------------------
+
+
+def nap(ctx, seconds):
+    time.sleep(seconds)
+    return ctx.rank
+
+
+def echo(ctx, x):
+    return x
+
+
+def give_lock(ctx):
+    return threading.Lock()
+
+
+def stuck_here(seconds):
+    time.sleep(seconds)
+
+
+def rank1_hangs(ctx):
+    """Rank 1 sleeps in ``stuck_here``; rank 0 waits for it inside an all-reduce."""
+    if ctx.rank == 1:
+        stuck_here(60)
+    torch.distributed.all_reduce(torch.zeros(1), group=ctx.group)
+
+
+# -- processes --------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped counts as gone)."""
+    if LINUX:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+PARENT = textwrap.dedent("""
+    import sys
+    from ditsp.dist.launcher import LocalCluster
+    from tests.test_hardening_launcher import nap
+
+    if __name__ == "__main__":
+        cluster = LocalCluster(2, timeout_s=300)
+        print(" ".join(map(str, cluster.pids)), flush=True)
+        cluster.run(nap, 300)
+""")
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+@pytest.mark.timeout(90)
+def test_ranks_die_with_their_parent(tmp_path):
+    """kill -9 / kill -TERM of the parent, TERM to its process group, and the watchdog alone."""
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    ways = ["kill9", "term", "term-group", "kill9-watchdog-only"]
+    parents, ranks = {}, {}
+    for way in ways:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        if way == "kill9-watchdog-only":
+            env["DITSP_NO_PDEATHSIG"] = "1"
+        parents[way] = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        for way, p in parents.items():
+            ranks[way] = [int(x) for x in p.stdout.readline().split()]
+        for way, pids in ranks.items():
+            assert len(pids) == 2 and all(_alive(pid) for pid in pids), (way, pids)
+        time.sleep(0.5)  # the nap is posted and running
+        for way, p in parents.items():
+            if way == "term-group":
+                os.killpg(p.pid, signal.SIGTERM)
+            else:
+                os.kill(p.pid, signal.SIGKILL if way.startswith("kill9") else signal.SIGTERM)
+        for p in parents.values():
+            p.wait(timeout=10)
+        end = time.monotonic() + 8.0
+        while time.monotonic() < end and any(_alive(pid) for pids in ranks.values() for pid in pids):
+            time.sleep(0.1)
+        left = {way: [pid for pid in pids if _alive(pid)] for way, pids in ranks.items()}
+        assert not any(left.values()), f"ranks outlived their parent: {left}"
+    finally:
+        for way, p in parents.items():
+            for pid in ranks.get(way, []):
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            if p.poll() is None:
+                p.kill()
+
+
+# -- failures say why -------------------------------------------------------------
+
+
+def test_threads_must_be_positive():
+    with pytest.raises(ValueError, match=r"threads must be an integer >= 1.*got 0"):
+        LocalCluster(2, threads=0)
+    with pytest.raises(ValueError, match="world_size"):
+        LocalCluster(0)
+
+
+@pytest.mark.timeout(60)
+def test_unpicklable_call_fails_at_once_and_keeps_the_cluster(clusters):
+    c = clusters(2)
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match="cannot send the call to the ranks") as e:
+        c.run(lambda ctx: 1, timeout_s=30)
+    assert "pickle" in str(e.value).splitlines()[0]
+    with pytest.raises(RankError, match=r"echo: cannot send the call.*(pickle|Lock)"):
+        c.run(echo, threading.Lock(), timeout_s=30)
+    assert time.monotonic() - t0 < 2
+    assert c.alive and c.run(echo, 5) == [5, 5]
+
+
+@pytest.mark.timeout(60)
+def test_unpicklable_result_says_so_at_once(clusters):
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as e:
+        clusters(2).run(give_lock, timeout_s=30)
+    first = str(e.value).splitlines()[0]
+    assert first.startswith("give_lock failed on 2 ranks: ranks 0, 1: the result (lock) cannot be pickled back")
+    assert time.monotonic() - t0 < 10  # not the 30 s deadline
+
+
+@pytest.mark.timeout(60)
+def test_hung_rank_reports_every_threads_stack(clusters):
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as e:
+        clusters(2).run(rank1_hangs, timeout_s=2)
+    msg = str(e.value)
+    assert msg.splitlines()[0] == "rank1_hangs failed on 2 ranks: ranks 0, 1 did not answer within the deadline of 2 s"
+    rank1 = msg.split("--- rank 1")[1]
+    assert "stuck_here" in rank1 and "rank1_hangs" in rank1  # the stack of the hung rank, innermost function
+    assert "all_reduce" in msg.split("--- rank 0")[1].split("--- rank 1")[0]  # its peer waits in the collective
+    assert "_watch_parent" in rank1  # every thread, not just the main one
+    assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.timeout(60)
+def test_rank_that_fails_at_start_reports_its_exception(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-if0")
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as e:
+        LocalCluster(2, timeout_s=20)
+    first = str(e.value).splitlines()[0]
+    assert first.startswith("start-up failed on 2 ranks: ranks 0, 1: RuntimeError: ") and "no-such-if0" in first
+    assert "exit code" not in first
+    assert time.monotonic() - t0 < 20
+
+
+# -- the rendezvous store and gloo stay on loopback ----------------------------------
+
+
+def _listening(pids: list[int]) -> list[tuple[str, int]]:
+    """(local address, port) of every listening TCP socket the given processes own."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # LISTEN
+                addr, port = f[1].split(":")
+                out.append((addr, int(port, 16)))
+    return out
+
+
+LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+def test_store_and_ranks_listen_on_loopback_only(clusters):
+    c = clusters(2)
+    assert c.store_address[0] == "127.0.0.1"
+    assert c.run(echo, None) == [None, None]
+    port = c.store_address[1]
+    store = [(a, p) for a, p in _listening([os.getpid()]) if p == port]
+    assert store and all(a in LOOPBACK_HEX for a, _ in store), store
+    ranks = _listening(c.pids)
+    assert all(a in LOOPBACK_HEX for a, _ in ranks), f"a rank listens beyond loopback: {ranks}"
