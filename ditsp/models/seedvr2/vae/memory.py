@@ -59,8 +59,9 @@ class MemoryEstimate:
 
 
 class _Walk:
-    def __init__(self, bytes_per: int, gn_upcast: bool, halo: bool, carry: bool):
+    def __init__(self, bytes_per: int, gn_upcast: bool, halo: bool, carry: bool, cpu_workspace: bool = False):
         self.b, self.gn_upcast, self.halo, self.carry = bytes_per, gn_upcast, halo, carry
+        self.cpu_workspace = cpu_workspace
         self.peak, self.peak_op, self.largest, self.halo_bytes, self.state = 0, "", 0, 0, 0
 
     def size(self, c, t, h, w) -> int:
@@ -85,7 +86,10 @@ class _Walk:
             self.state += self.size(cin, kt - 1, h, w)
         t2 = t if st == 1 else (t - 1) // 2 + 1
         out = self.size(cout, t2, h // ss, w // ss)
-        self.note(held + tin + padded + out, op, tin, padded, out)
+        # PyTorch's CPU conv3d unfolds its input (vol2col): cin * kernel volume values per output position.
+        ws = self.size(cin * kt * 9, t2, h // ss, w // ss) \
+            if self.cpu_workspace and (kt > 1 or ss > 1) else 0
+        self.note(held + tin + padded + out + ws, op, tin, padded, out)
         return (t2, h // ss, w // ss)
 
     def norm(self, held, c, shape, op):
@@ -207,14 +211,18 @@ def piece_of(cfg: VaeConfig, op: str, shape, world: int, mode: str, chunk: int =
 
 
 def estimate(cfg: VaeConfig, op: str, shape, world: int, mode: str, dtype=torch.bfloat16, chunk: int = 1,
-             tile: int = 32, overlap: int = 8, gather: bool = True) -> MemoryEstimate:
-    """Modelled peak bytes of one rank running ``op`` ("encode"/"decode") of a (T, H, W) pixel clip."""
+             tile: int = 32, overlap: int = 8, gather: bool = True, backend: str = "cuda") -> MemoryEstimate:
+    """Modelled peak bytes of one rank running ``op`` ("encode"/"decode") of a (T, H, W) pixel clip.
+
+    ``backend="cpu"`` adds the unfold buffer of PyTorch's CPU conv3d (kernel volume x input channels
+    per output position); CUDA convolutions are modelled without workspace.
+    """
     b = torch.empty((), dtype=dtype).element_size()
     T, H, W = shape
     t, h, w = cfg.latent_shape(T, H, W)
     pc = piece_of(cfg, op, shape, world, mode, chunk, tile, overlap)
     carry = mode in ("chunked", "height+chunks", "tiled") and pc.pieces > 1
-    wk = _Walk(b, False, pc.halo, carry)
+    wk = _Walk(b, False, pc.halo, carry, backend == "cpu")
     if op == "encode":
         _walk_encoder(cfg, wk, (pc.frames, pc.rows, pc.cols), h)
     else:
