@@ -4,7 +4,10 @@ Every window attends to its own video tokens plus all text tokens; the text
 is replicated into each window, so each window also yields one text output.
 This module returns the video output rows (local order kept) and the *sum* of
 the per-window text outputs: the caller's runtime turns that sum into the
-reference's plain mean over all windows (across ranks).
+reference's plain mean over all windows (across ranks). The sum is kept in
+fp64: fp32 text outputs add exactly in fp64 unless their magnitudes span more
+than about 2^20, so the result does not depend on which rank summed which
+windows, i.e. on the SP degree or the plan.
 
 Two paths, same maths:
 - ``varlen``: one packed flash-attn varlen call with ``cu_seqlens`` (CUDA,
@@ -73,7 +76,7 @@ def window_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Video q/k/v (N, H, D) in local window order, text q/k/v (L, H, D) already roped.
 
-    Returns the video output (N, H, D) and the fp32 sum over windows of the text
+    Returns the video output (N, H, D) and the fp64 sum over windows of the text
     output (L, H, D); ``tq=None`` skips text queries (the last block discards them)
     and returns ``None`` for the text.
     """
@@ -86,7 +89,7 @@ def _grouped_sdpa(q, k, v, tq, tk, tv, pack, rope):
     _, heads, dim = q.shape
     L = tk.shape[0]
     out = q.new_empty(q.shape)
-    txt = torch.zeros(L, heads, dim, dtype=torch.float32, device=q.device) if tq is not None else None
+    txt = torch.zeros(L, heads, dim, dtype=torch.float64, device=q.device) if tq is not None else None
     for shape, idx, n in pack.groups:
         l = idx.numel() // n
         qg, kg, vg = (t.index_select(0, idx).view(n, l, heads, dim) for t in (q, k, v))
@@ -100,7 +103,7 @@ def _grouped_sdpa(q, k, v, tq, tk, tv, pack, rope):
         o = o.transpose(1, 2)  # (n, l[+L], H, D)
         out.index_copy_(0, idx, o[:, :l].reshape(n * l, heads, dim))
         if txt is not None:
-            txt += o[:, l:].float().sum(0)
+            txt += o[:, l:].double().sum(0)
     return out, txt
 
 
@@ -132,5 +135,5 @@ def _varlen(q, k, v, tq, tk, tv, pack, rope):
     if tq is None:
         return o, None
     out = o[is_vid]
-    txt = o[~is_vid].view(len(lens), L, heads, dim).float().sum(0)
+    txt = o[~is_vid].view(len(lens), L, heads, dim).double().sum(0)
     return out, txt

@@ -31,7 +31,8 @@ def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: 
     """The SP runtime of one request of model ``cfg`` on SP group ``group`` (None: one rank).
 
     ``group``'s size must equal the configured SP degree. Text sums are
-    reduced in fp32 whatever the model dtype.
+    reduced in fp64 whatever the model dtype, so their value does not depend
+    on which rank holds which window.
     """
     pc = parallel_config or ParallelConfig()
     world = 1 if group is None else dist.get_world_size(group)
@@ -42,7 +43,7 @@ def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: 
     comm = Comm.of(group)
     if path == "window":
         return WindowRuntime(grid, cfg.window_methods, comm, planner or pc.window_planner, cfg.num_windows,
-                             torch.float32)
+                             torch.float64)
     if path == "ulysses":
-        return UlyssesWindowRuntime(grid, cfg.window_methods, cfg.heads, comm, cfg.num_windows, torch.float32)
+        return UlyssesWindowRuntime(grid, cfg.window_methods, cfg.heads, comm, cfg.num_windows, torch.float64)
     raise ValueError(f"unknown SP path {path!r}; choose from {', '.join(PATHS)}")

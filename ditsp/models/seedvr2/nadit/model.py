@@ -116,8 +116,10 @@ class NaDiT(nn.Module):
         return (T // pt, H // ph, W // pw)
 
     def single_runtime(self, grid: Sequence[int], planner: str = "lpt") -> WindowRuntime:
-        """The one-rank runtime: the single-device forward."""
-        return WindowRuntime.single(grid, self.cfg.window_methods, self.cfg.num_windows, torch.float32, planner)
+        """The one-rank runtime: the single-device forward (the same runtime SP builds, on one rank)."""
+        from ..parallelize import parallelize
+
+        return parallelize(self.cfg, None, grid, None, planner)
 
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, timestep, runtime: SPRuntime | None = None,
                 states: dict | None = None) -> torch.Tensor:
