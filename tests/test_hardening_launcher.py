@@ -47,6 +47,12 @@ def rank1_hangs(ctx):
     torch.distributed.all_reduce(torch.zeros(1), group=ctx.group)
 
 
+def abort_on_rank1(ctx):
+    if ctx.rank == 1:
+        os.abort()
+    return ctx.rank
+
+
 # -- processes --------------------------------------------------------------------
 
 
@@ -163,6 +169,16 @@ def test_hung_rank_reports_every_threads_stack(clusters):
     assert "all_reduce" in msg.split("--- rank 0")[1].split("--- rank 1")[0]  # its peer waits in the collective
     assert "_watch_parent" in rank1  # every thread, not just the main one
     assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.timeout(60)
+def test_crashed_rank_reports_its_signal_and_stack(clusters):
+    with pytest.raises(RankError) as e:
+        clusters(2).run(abort_on_rank1, timeout_s=30)
+    msg = str(e.value)
+    assert msg.splitlines()[0].startswith("abort_on_rank1 failed on 2 ranks: rank 1: died of SIGABRT (exit code -6)")
+    assert "abort_on_rank1" in msg.split("--- rank 1 ---")[1]  # the crash stack faulthandler wrote
+    assert "rank 0" not in msg.splitlines()[0]  # rank 0's answer came through
 
 
 @pytest.mark.timeout(60)

@@ -36,7 +36,6 @@ import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
-import queue
 import shutil
 import signal
 import socket
@@ -181,14 +180,27 @@ def _stack_file(path: str):
     return fh
 
 
+class _Answers:
+    """A rank's answers to the parent over its own pipe: no lock shared with other ranks, so a
+    rank that dies mid-send cannot block its peers' answers (as a shared queue's lock would)."""
+
+    def __init__(self, rank: int, conn):
+        self.rank, self.conn = rank, conn
+
+    def put(self, item) -> None:
+        _, call_id, ok, payload = item
+        self.conn.send((call_id, ok, payload))
+
+
 def _format_exc(e: BaseException) -> str:
     return "".join(traceback.format_exception(type(e), e, e.__traceback__))
 
 
-def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, tasks, results,
+def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, tasks, answers,
             parent_pid: int | None = None, stack_path: str | None = None) -> None:
     if parent_pid is not None:
         die_with_parent(parent_pid)
+    results = _Answers(rank, answers)
     fh = _stack_file(stack_path) if stack_path else None
     try:
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -243,6 +255,15 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, ta
 # -- parent side ----------------------------------------------------------------
 
 
+def _death(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"died of {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            pass
+    return f"died (exit code {code})"
+
+
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else "(no message)"
 
@@ -282,14 +303,15 @@ class LocalCluster:
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-        self._results = ctx.Queue()
+        pipes = [ctx.Pipe(duplex=False) for _ in range(self.world_size)]
+        self._answers = [reader for reader, _ in pipes]
         self._store, self._addr = loopback_store(self.world_size, max(_START_S, self.timeout_s))
         port = self._addr[1]
         self._stack_dir = tempfile.mkdtemp(prefix="ditsp-ranks-")
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self.timeout_s, self.threads, self._tasks[r], self._results,
+                args=(r, self.world_size, port, self.timeout_s, self.threads, self._tasks[r], pipes[r][1],
                       os.getpid(), self._stack_path(r)),
                 daemon=True,
                 name=f"ditsp-rank-{r}",
@@ -298,6 +320,8 @@ class LocalCluster:
         ]
         for p in self._procs:
             p.start()
+        for _, writer in pipes:
+            writer.close()  # the ranks hold theirs: a rank's end closing means the rank is gone
         self._collect(-1, time.monotonic() + max(_START_S, self.timeout_s), "start-up", max(_START_S, self.timeout_s))
 
     def _stack_path(self, rank: int) -> str:
@@ -325,6 +349,30 @@ class LocalCluster:
         time.sleep(0.1)  # let a dump that has begun finish
         return {r: self._read_stacks(r) for r in ranks}
 
+    def _receive(self, rank: int, call_id: int):
+        """``(ok, result or error text)`` of ``rank`` for ``call_id``; None when nothing for this call."""
+        conn, proc = self._answers[rank], self._procs[rank]
+        closed = False
+        try:
+            while conn.poll():
+                cid, ok, payload = conn.recv()
+                if cid != call_id:
+                    continue
+                if not ok:
+                    return False, payload
+                try:
+                    return True, ForkingPickler.loads(payload)
+                except BaseException as e:  # noqa: BLE001
+                    return False, (f"the result of rank {rank} cannot be unpickled in the parent: "
+                                   f"{type(e).__name__}: {e}\n{_format_exc(e)}")
+        except (EOFError, OSError):
+            closed = True  # the rank's end is closed: it is gone
+        if not closed and proc.is_alive():
+            return None
+        proc.join(timeout=1.0)  # its pipe closed or its process ended: let it finish going
+        crash = self._read_stacks(rank)
+        return False, _death(proc.exitcode) + (f"\n{crash}" if crash else "")
+
     def _collect(self, call_id: int, deadline: float, what: str, timeout_s: float) -> list:
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
@@ -334,28 +382,22 @@ class LocalCluster:
             limit = deadline if grace is None else min(deadline, grace)
             if now >= limit:
                 break
-            try:
-                rank, cid, ok, payload = self._results.get(timeout=min(limit - now, 0.5))
-            except queue.Empty:
-                for r, p in enumerate(self._procs):
-                    if not p.is_alive() and r not in out and r not in errors:
-                        crash = self._read_stacks(r)
-                        errors[r] = f"rank {r} died (exit code {p.exitcode})" + (f"\n{crash}" if crash else "")
-                if errors and grace is None:
-                    grace = time.monotonic() + _GRACE_S
-                continue
-            if cid != call_id:
-                continue  # a late answer from an earlier, failed call
-            if ok:
-                try:
-                    out[rank] = ForkingPickler.loads(payload)
-                except BaseException as e:  # noqa: BLE001
-                    errors[rank] = (f"the result of rank {rank} cannot be unpickled in the parent: "
-                                    f"{type(e).__name__}: {e}\n{_format_exc(e)}")
+            pending = [r for r in range(self.world_size) if r not in out and r not in errors]
+            waitables = {self._answers[r]: r for r in pending}
+            waitables.update({self._procs[r].sentinel: r for r in pending})
+            ready = multiprocessing.connection.wait(list(waitables), timeout=min(limit - now, 0.5))
+            for r in sorted({waitables[w] for w in ready}):
+                if r in out or r in errors:
+                    continue
+                got = self._receive(r, call_id)
+                if got is None:
+                    continue  # a late answer from an earlier, failed call
+                ok, value = got
+                if ok:
+                    out[r] = value
+                else:
+                    errors[r] = value
                     grace = grace or time.monotonic() + _GRACE_S
-            else:
-                errors[rank] = payload
-                grace = grace or time.monotonic() + _GRACE_S
         if errors or len(out) < self.world_size:
             missing = [r for r in range(self.world_size) if r not in out and r not in errors]
             stacks = self._hung_stacks(missing) if missing else {}
@@ -368,7 +410,8 @@ class LocalCluster:
         by_line: dict[str, list[int]] = {}
         for r, tb in sorted(errors.items()):
             by_line.setdefault(_first_line(tb), []).append(r)
-        summary = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {line}" for line, rs in by_line.items()]
+        summary = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {line}"
+                   for line, rs in by_line.items()]
         if missing:
             why = (f"no answer within {_GRACE_S:g} s of the failure above" if after_failure
                    else f"did not answer within the deadline of {timeout_s:g} s")
