@@ -1,0 +1,116 @@
+"""Per-rank memory of a restoration, estimated before any work, and what would fit instead.
+
+The estimate adds the DiT weights (every rank holds all of them), the DiT's
+largest per-layer activations for this rank's share of the tokens, the
+window's latent-side tensors, and the VAE's modelled peak in the mode it will
+run (:mod:`.vae.memory`). It is a model, not a measurement: `ditsp upscale
+--json` reports the measured peaks next to it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .nadit.config import get_config
+from .vae.config import PRESETS as VAE_PRESETS
+from .weights import MODELS
+
+GiB = 2**30
+ELEM = {"fp32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    dit_weights: int
+    dit_activations: int
+    latents: int
+    vae: int
+    vae_mode: str
+
+    @property
+    def total(self) -> int:
+        return self.dit_weights + self.dit_activations + self.latents + self.vae
+
+    def describe(self) -> str:
+        return (f"{self.total / GiB:.2f} GiB per rank (DiT weights {self.dit_weights / GiB:.2f}, DiT activations "
+                f"{self.dit_activations / GiB:.2f}, latents {self.latents / GiB:.2f}, VAE {self.vae_mode} "
+                f"{self.vae / GiB:.2f})")
+
+
+def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: int, vae_mode: str = "auto",
+             budget: int | None = None, vae_chunk: int = 1) -> Estimate:
+    """Modelled peak bytes per rank for one window of ``frames`` frames at output size ``out_hw``."""
+    from .pipeline.padding import padded_length
+    from .vae.memory import choose_mode
+    from .vae.memory import estimate as vae_estimate
+
+    cfg = get_config(model)
+    vcfg = VAE_PRESETS[MODELS[model]]
+    e = ELEM[dtype]
+    T = padded_length(frames)
+    H, W = out_hw
+    t, h, w = vcfg.latent_shape(T, H, W)
+    tokens = -(-t * (h // 2) * (w // 2) // sp)  # this rank's share (balanced plans)
+    hid = cfg.mlp_hidden
+    # Per layer: residual, normed input, q/k/v, attention out, two MLP hidden tensors; text is small.
+    dit_act = tokens * (6 * cfg.vid_dim + 2 * hid) * e
+    latents = t * h * w * (16 * 4 + 33) * 4  # latent, noise, x0, decoder input in fp32 + the 33-channel input
+    vdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    shape = (T, H, W)
+    if vae_mode == "auto":
+        try:
+            mode = choose_mode(vcfg, "decode", shape, sp, budget, vdtype, vae_chunk).mode
+        except MemoryError:
+            mode = "tiled"
+    else:
+        mode = vae_mode
+    vae = max(vae_estimate(vcfg, op, shape, sp, mode, vdtype, vae_chunk).total for op in ("encode", "decode"))
+    return Estimate(cfg.param_count() * e, int(dit_act), int(latents), int(vae), mode)
+
+
+def available_bytes(ranks_here: int, device: torch.device | None = None) -> int:
+    """Memory one rank can use: the device's free memory, else this machine's available RAM / local ranks."""
+    if device is not None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // max(1, ranks_here)
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")) // max(1, ranks_here)
+
+
+def suggestions(model: str, dtype: str, frames: int, out_hw, sp: int, vae_mode: str, budget: int,
+                window_frames: int) -> list[str]:
+    """What would fit ``budget`` per rank: more ranks, another VAE mode, shorter windows."""
+    out = []
+    for more in (2 * sp, 4 * sp, 8 * sp):
+        e = estimate(model, dtype, frames, out_hw, more, vae_mode, budget)
+        if e.total <= budget:
+            out.append(f"--sp {more} ({e.total / GiB:.1f} GiB per rank)")
+            break
+    for mode in ("height+chunks", "chunked", "tiled"):
+        if mode != vae_mode:
+            e = estimate(model, dtype, frames, out_hw, sp, mode, budget)
+            if e.total <= budget:
+                out.append(f"--vae-mode {mode} ({e.total / GiB:.1f} GiB per rank"
+                           f"{', approximate' if mode == 'tiled' else ''})")
+                break
+    f = frames
+    while f > 5:
+        f = max(5, ((f // 2 - 1) // 4) * 4 + 1)
+        e = estimate(model, dtype, f, out_hw, sp, vae_mode, budget)
+        if e.total <= budget:
+            out.append(f"--window-frames {f} ({e.total / GiB:.1f} GiB per rank)")
+            break
+    if dtype == "fp32":
+        e = estimate(model, "bf16", frames, out_hw, sp, vae_mode, budget)
+        if e.total <= budget:
+            out.append(f"--dtype bf16 ({e.total / GiB:.1f} GiB per rank)")
+    return out

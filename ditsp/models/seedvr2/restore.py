@@ -1,0 +1,332 @@
+"""SeedVR2 restoration, file in, file out, under SP: the `ditsp upscale` job.
+
+Every rank of the SP group runs :func:`rank_upscale` on the same request:
+
+1. read the input as a stream (every rank decodes the same file, so no frames
+   are broadcast), cut it into temporal windows of up to F = 4n+1 frames that
+   share K frames (:mod:`.pipeline.windows`);
+2. per window: area resize, crop to 16, ``2x - 1`` (:mod:`.pipeline.transform`);
+   pad to 4n+1 frames (never to a multiple of the SP degree, so the result does
+   not depend on it); VAE encode on the group (:class:`.vae.sharded.ParallelVAE`),
+   posterior sample x 0.9152 with noise from the window's seed; the 33-channel
+   input ``[noise | LQ latent | 1]``; one DiT step at t = 1000 under
+   window-aligned SP; ``x0 = noise - v``; cast, divide by 0.9152, decode on the
+   group; drop the padded frames; colour fix against the window's input;
+3. cross-fade overlapping windows (:class:`.pipeline.windows.StreamingBlender`)
+   and, on rank 0, write finished frames as they come (atomic: a temporary file
+   renamed at the end; the input's audio is copied).
+
+Noise comes from CPU generators seeded per window, so every rank and every SP
+degree sees the same values. Memory is bounded by one window, not the clip.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ...config import ParallelConfig
+from ...dist.comm import Comm, CommStats
+from ...memory import PeakMemory
+from .parallelize import parallelize
+from .pipeline import (
+    StreamingBlender,
+    apply_color_fix,
+    decoder_latent,
+    dit_input,
+    dit_timestep,
+    frame_geometry,
+    make_generator,
+    make_noise,
+    one_step_x0,
+    pad_frames,
+    plan_windows,
+    to_uint8,
+    transform_frames,
+)
+from .pipeline.padding import padded_length
+from .weights import WeightsSpec, load
+
+STAGES = ("read", "vae_encode", "dit", "vae_decode", "color_fix", "write")
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class UpscaleRequest:
+    """One restoration; identical on every rank."""
+
+    input: str
+    output: str
+    weights: WeightsSpec = field(default_factory=WeightsSpec)
+    area: tuple[int, int] | None = None  # target area (w, h), aspect kept; None: the input's size
+    size: tuple[int, int] | None = None  # exact output size (w, h) before the crop to 16
+    seed: int = 666
+    color_fix: str = "wavelet"
+    window_frames: int = 0  # 0: the whole clip in one window
+    overlap: int = 4
+    vae_mode: str = "auto"
+    vae_chunk: int = 1
+    budget_gib: float | None = None  # per-rank memory budget for the VAE's auto mode and the estimate
+    planner: str = "lpt"
+    sp: int = 1
+    crf: int = 18
+    overwrite: bool = False
+    progress: bool = True
+    sample_frames: int = 0  # keep this many (input, output) frame pairs for a picture
+
+
+class _Frames:
+    """The input as a stream: frames are decoded as windows need them and dropped once passed."""
+
+    def __init__(self, chunks):
+        self._chunks = chunks
+        self._buf: torch.Tensor | None = None
+        self._start = 0  # clip index of self._buf[0]
+
+    def take(self, start: int, stop: int) -> torch.Tensor:
+        if self._buf is not None and start > self._start:
+            self._buf = self._buf[start - self._start :]
+            self._start = start
+        while self._buf is None or self._start + self._buf.shape[0] < stop:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                have = 0 if self._buf is None else self._start + self._buf.shape[0]
+                raise ValueError(f"the input ended after {have} frames; {stop} were expected")
+            self._buf = chunk if self._buf is None else torch.cat([self._buf, chunk])
+        return self._buf[start - self._start : stop - self._start]
+
+
+class _Stages:
+    """Per-stage wall time, per-rank peak memory and a timeline (for the report and its picture)."""
+
+    def __init__(self, device: torch.device):
+        self.time = dict.fromkeys(STAGES, 0.0)
+        self.peak = dict.fromkeys(STAGES, 0)
+        self.timeline: list[tuple[str, int, float, float]] = []
+        self.mem = PeakMemory(device)
+        self.device = device
+        self.t0 = time.perf_counter()
+
+    def run(self, stage: str, window: int, fn, *args):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.mem.start()
+        a = time.perf_counter()
+        out = fn(*args)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        b = time.perf_counter()
+        self.time[stage] += b - a
+        self.peak[stage] = max(self.peak[stage], self.mem.peak_added())
+        self.timeline.append((stage, window, a - self.t0, b - self.t0))
+        return out
+
+
+def _geometry(req: UpscaleRequest, width: int, height: int):
+    return frame_geometry(width, height, area=req.area, size=req.size)
+
+
+def _transform(req: UpscaleRequest, frames: torch.Tensor) -> torch.Tensor:
+    if req.size is not None:
+        w, h = req.size
+        return transform_frames(frames, size=(h, w))
+    if req.area is not None:
+        w, h = req.area
+        return transform_frames(frames, h, w)
+    return transform_frames(frames)
+
+
+@torch.no_grad()
+def rank_upscale(ctx, req: UpscaleRequest) -> dict:
+    """One rank's share of a restoration; rank 0 writes the output and returns the full report."""
+    from tqdm import tqdm
+
+    from ...io.video import VideoWriter, open_media, write_image
+    from .vae.sharded import ParallelVAE
+
+    group = ctx.group if ctx.world_size > 1 else None
+    device = ctx.device
+    models = load(req.weights, device)
+    dit, vae = models.dit, models.vae
+    dtype = dit.dtype
+    info, chunks = open_media(req.input)
+    frames_total = info.frames
+    if frames_total is None:
+        from ...io.video import count_frames
+
+        frames_total = count_frames(req.input)
+    geo = _geometry(req, info.width, info.height)
+    window = req.window_frames or padded_length(frames_total)
+    plan = plan_windows(frames_total, window, min(req.overlap, window - 1), req.seed)
+    stats = CommStats()
+    vae_comm = Comm.of(group, stats)
+    budget = int(req.budget_gib * GiB) if req.budget_gib else None
+    pvae = ParallelVAE(vae, vae_comm, chunk=req.vae_chunk, budget_bytes=budget)
+    runtimes: dict = {}
+    st = _Stages(device)
+    blender = StreamingBlender(plan, out_dtype=torch.float32)
+    writer = None
+    is_image = info.kind == "image"
+    rank0 = ctx.rank == 0
+    digest = hashlib.sha256()
+    written = 0
+    samples_in, samples_out = [], []
+    vae_reports, dit_report = set(), ""
+    frames = _Frames(chunks)
+    bar = tqdm(total=len(plan) * 4, desc="upscale", unit="step", disable=not (rank0 and req.progress), leave=False)
+    try:
+        if rank0 and not is_image:
+            writer = VideoWriter(req.output, info.rate or info.fps, crf=req.crf,
+                                 audio_from=req.input if info.has_audio else None, overwrite=req.overwrite)
+        for win in plan:
+            bar.set_postfix_str(f"window {win.index + 1}/{len(plan)} read+encode")
+            u8 = st.run("read", win.index, frames.take, win.start, win.stop)
+            x = _transform(req, u8)  # (3, T, h, w) fp32 in [-1, 1]: also the colour-fix reference
+            n = x.shape[1]
+            xp = pad_frames(x, dim=1)[None]  # (1, 3, 4n+1, h, w)
+            g = make_generator(win.seed)
+
+            def encode():
+                enc = pvae.encode(xp, req.vae_mode)
+                eps = make_noise(enc.posterior.mean.shape, g, dtype=torch.float32)
+                vae_reports.add(enc.report)
+                z = vae.to_latent(enc.posterior.sample(eps.to(enc.posterior.mean.dtype)))
+                return vae.channels_last(z)[0]  # (t, h', w', 16)
+
+            latent = st.run("vae_encode", win.index, encode)
+            bar.update()
+            bar.set_postfix_str(f"window {win.index + 1}/{len(plan)} DiT")
+            noise = make_noise(latent.shape, g, dtype=torch.float32)
+            vid = dit_input(noise, latent.float())
+            grid = dit.grid_of(vid.shape)
+            if grid not in runtimes:
+                runtimes[grid] = parallelize(dit.cfg, ParallelConfig(ulysses_degree=ctx.world_size), grid, group,
+                                             req.planner)
+            rt = runtimes[grid]
+            v = st.run("dit", win.index, lambda: dit(vid.to(dtype), models.text, dit_timestep(device), runtime=rt))
+            dit_report = rt.report(heads=dit.cfg.heads)
+            bar.update()
+            bar.set_postfix_str(f"window {win.index + 1}/{len(plan)} decode")
+            z = decoder_latent(one_step_x0(noise, v), dtype=vae.dtype)
+            z = z if z.dim() == 5 else z.unsqueeze(2)
+            decoded = st.run("vae_decode", win.index, lambda: pvae.decode(z, req.vae_mode))
+            vae_reports.add(pvae.last_report)
+            bar.update()
+            content = decoded[0, :, :n].permute(1, 0, 2, 3)  # (T, 3, H, W), padding dropped
+            fixed = st.run("color_fix", win.index, apply_color_fix, content, x.permute(1, 0, 2, 3), req.color_fix)
+            ready = blender.push(win.index, fixed.float())
+            bar.update()
+            if rank0 and ready.shape[0]:
+                out = to_uint8(ready)
+                digest.update(out.numpy().tobytes())
+                if len(samples_out) < req.sample_frames:
+                    k = min(req.sample_frames - len(samples_out), out.shape[0])
+                    idx = torch.linspace(0, out.shape[0] - 1, k).round().long()
+                    samples_out += [out[i] for i in idx]
+                    src = to_uint8(x.permute(1, 0, 2, 3))
+                    samples_in += [src[written - win.start + i] for i in idx]
+                if is_image:
+                    st.run("write", win.index, write_image, req.output, out[0], overwrite=req.overwrite)
+                else:
+                    st.run("write", win.index, writer.write, out)
+                written += out.shape[0]
+            _all_ok(vae_comm)
+        blender.flush()
+        if writer is not None:
+            st.run("write", len(plan), writer.close)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    finally:
+        bar.close()
+    rt_stats = [rt.comm.stats for rt in runtimes.values()]
+    bytes_sent = stats.bytes_sent + sum(s.bytes_sent for s in rt_stats)
+    report = {
+        "rank": ctx.rank,
+        "stage_s": st.time,
+        "stage_peak_bytes": st.peak,
+        "bytes_sent": bytes_sent,
+        "collectives": {**stats.as_dict(), **{k: v for s in rt_stats for k, v in s.as_dict().items()}},
+    }
+    if rank0:
+        report.update({
+            "input": req.input, "output": req.output, "request": asdict(req),
+            "frames": frames_total, "frames_written": written, "fps": info.fps, "audio": info.has_audio,
+            "geometry": geo.describe(), "output_size": [geo.out_width, geo.out_height],
+            "windows": [[w.start, w.stop] for w in plan], "dit_path": dit_report,
+            "vae_modes": sorted(vae_reports), "sha256": digest.hexdigest(), "timeline": st.timeline,
+            "samples": (torch.stack(samples_in), torch.stack(samples_out)) if samples_out else None,
+        })
+    return report
+
+
+def _all_ok(comm: Comm) -> None:
+    """A window boundary every rank passes together (rank 0's write errors surface on every rank)."""
+    comm.all_gather_object(True)
+
+
+def summarize(results: list[dict]) -> dict:
+    """One report from every rank's: rank 0's, with per-rank peaks and bytes."""
+    out = dict(results[0])
+    out["world_size"] = len(results)
+    out["rank_stage_peak_bytes"] = [r["stage_peak_bytes"] for r in results]
+    out["rank_bytes_sent"] = [r["bytes_sent"] for r in results]
+    out["bytes_moved"] = sum(r["bytes_sent"] for r in results)
+    out.pop("stage_peak_bytes", None)
+    out.pop("rank", None)
+    return out
+
+
+def format_report(s: dict) -> str:
+    """The text report of `ditsp upscale`."""
+    total = sum(s["stage_s"].values())
+    lines = [
+        f"{s['input']} -> {s['output']}: {s['frames_written']} frames, {s['geometry']}, "
+        f"{len(s['windows'])} window(s), SP={s['world_size']}",
+        f"DiT: {s['dit_path']}",
+        *(f"{m}" for m in s["vae_modes"]),
+        f"{'stage':<11} {'time s':>8} {'share':>6} {'peak MiB (max rank)':>20}",
+    ]
+    for k in STAGES:
+        peak = max(r[k] for r in s["rank_stage_peak_bytes"])
+        lines.append(f"{k:<11} {s['stage_s'][k]:>8.2f} {100 * s['stage_s'][k] / max(total, 1e-9):>5.0f}% "
+                     f"{peak / 2**20:>20.1f}")
+    lines.append(f"bytes moved (all ranks): {s['bytes_moved'] / 2**20:.2f} MiB; frames sha256 {s['sha256'][:16]}")
+    return "\n".join(lines)
+
+
+def plot_report(s: dict, path: str) -> None:
+    """Input vs output frames, and the per-stage timeline of rank 0 (one PNG, written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = s.get("samples")
+    k = 0 if samples is None else samples[0].shape[0]
+    fig = plt.figure(figsize=(4 * max(k, 2), 7 if k else 3))
+    rows = 3 if k else 1
+    for i in range(k):
+        for r, (imgs, label) in enumerate(zip(samples, ("input (resized)", "restored"))):
+            ax = fig.add_subplot(rows, k, r * k + i + 1)
+            ax.imshow(imgs[i].numpy())
+            ax.set_title(f"{label}, sample {i + 1}", fontsize=9)
+            ax.axis("off")
+    ax = fig.add_subplot(rows, 1, rows)
+    colors = dict(zip(STAGES, plt.get_cmap("tab10").colors))
+    for stage, win, a, b in s["timeline"]:
+        ax.barh(STAGES.index(stage), b - a, left=a, color=colors[stage], edgecolor="black", linewidth=0.3)
+    ax.set_yticks(range(len(STAGES)), STAGES)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (rank 0)")
+    ax.set_title(f"per-stage timeline, SP={s['world_size']}, {len(s['windows'])} window(s)", fontsize=9)
+    fig.tight_layout()
+    tmp = f"{path}.tmp-{os.getpid()}.png"
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, path)

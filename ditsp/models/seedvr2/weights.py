@@ -1,0 +1,101 @@
+"""The three SeedVR2 pieces a restoration needs, built once per rank: DiT, VAE, text embedding.
+
+A model name picks a DiT preset and its VAE preset (``seedvr2-3b`` and
+``seedvr2-7b`` use the released VAE widths, ``tiny`` and ``tiny-7b`` the tiny
+VAE). Weights come from the given checkpoints, or are seeded identically on
+every rank (random weights: a smoke test of the whole path, not a
+restoration). The released text input is ``pos_emb.pt``; without one a
+seeded embedding of the preset's shape stands in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .nadit.config import PRESETS as DIT_PRESETS
+from .nadit.model import build_model
+from .vae import VideoVAE, load_checkpoint
+from .vae.config import PRESETS as VAE_PRESETS
+
+# DiT preset -> VAE preset.
+MODELS = {"seedvr2-3b": "released", "seedvr2-7b": "released", "tiny": "tiny", "tiny-7b": "tiny", "small": "tiny"}
+
+
+@dataclass(frozen=True)
+class WeightsSpec:
+    """Everything that determines the weights on a rank (the per-process cache key)."""
+
+    model: str = "tiny"
+    dit: str | None = None
+    vae: str | None = None
+    text_embedding: str | None = None
+    dtype: str = "fp32"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(sorted(MODELS))}")
+        if self.model not in DIT_PRESETS:
+            raise ValueError(f"model {self.model!r} has no DiT preset")
+
+
+@dataclass
+class SeedVR2:
+    """A rank's DiT, VAE and text embedding."""
+
+    spec: WeightsSpec
+    dit: torch.nn.Module
+    vae: VideoVAE
+    text: torch.Tensor
+
+
+@torch.no_grad()
+def init_vae_(vae: VideoVAE, seed: int) -> VideoVAE:
+    """Seeded VAE weights, identical on every rank: convs and linears ``randn / sqrt(fan_in)``,
+    biases ``0.1 randn``, norm weights ``1 + 0.1 randn``, norm biases ``0.1 randn``."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in vae.named_parameters():
+        r = torch.randn(p.shape, generator=g)
+        if "norm" in name:
+            p.copy_(1.0 + 0.1 * r if name.endswith("weight") else 0.1 * r)
+        elif p.ndim == 1:
+            p.copy_(0.1 * r)
+        else:
+            p.copy_(r / math.sqrt(max(1, p[0].numel())))
+    return vae
+
+
+_CACHE: dict = {}
+
+
+def load(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2:
+    """The pieces of ``spec`` for this process (built on first use; one set kept)."""
+    from ...engine import DTYPES
+
+    key = (spec, str(device))
+    if key in _CACHE:
+        return _CACHE[key]
+    _CACHE.clear()
+    dtype = DTYPES[spec.dtype]
+    dit = build_model(spec.model, checkpoint=spec.dit, seed=spec.seed, dtype=dtype, device=device)
+    vae_cfg = VAE_PRESETS[MODELS[spec.model]]
+    if spec.vae:
+        with torch.device("meta"):
+            vae = VideoVAE(vae_cfg)
+        vae = vae.to_empty(device="cpu")
+        load_checkpoint(vae, spec.vae, dtype=torch.float32)
+    else:
+        vae = init_vae_(VideoVAE(vae_cfg), spec.seed + 7)
+    vae = vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    cfg = dit.cfg
+    if spec.text_embedding:
+        from .nadit.checkpoint import load_text_embedding
+
+        text = load_text_embedding(spec.text_embedding, cfg.txt_in_dim)
+    else:
+        text = torch.randn(cfg.txt_len, cfg.txt_in_dim, generator=torch.Generator().manual_seed(spec.seed + 11))
+    _CACHE[key] = SeedVR2(spec, dit, vae, text.to(device))
+    return _CACHE[key]
