@@ -75,7 +75,7 @@ def seq_to_head(comm: Comm, xs, head_ranges, seq_lens, kind="ulysses_a2a", stack
     if not stacked:
         return [seq_to_head(comm, [x], [hr], seq_lens, kind, True)[0] for x, hr in zip(xs, head_ranges)]
     me, n = comm.rank, comm.world_size
-    b, d = xs[0].shape[0], xs[0].shape[-1]
+    b = xs[0].shape[0]
     chunks = [[x[:, :, hr[p][0] : hr[p][1]].transpose(1, 2) for x, hr in zip(xs, head_ranges)] for p in range(n)]
     shapes = [[(b, hr[me][1] - hr[me][0], seq_lens[r], x.shape[-1]) for x, hr in zip(xs, head_ranges)] for r in range(n)]
     pieces = _exchange(comm, chunks, shapes, kind)
