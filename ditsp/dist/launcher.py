@@ -203,7 +203,7 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, ta
     results = _Answers(rank, answers)
     fh = _stack_file(stack_path) if stack_path else None
     try:
-        os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = LOOPBACK, str(port)
         ifname = _loopback_ifname()
         if ifname:
@@ -230,6 +230,8 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, ta
         try:
             fn, args, kwargs = ForkingPickler.loads(blob)
         except BaseException as e:  # noqa: BLE001
+            if timer:
+                faulthandler.cancel_dump_traceback_later()
             msg = f"cannot unpickle the call on rank {rank}: {type(e).__name__}: {e}\n{_format_exc(e)}"
             results.put((rank, call_id, False, msg))
             continue
