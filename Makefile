@@ -19,12 +19,14 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 setup: $(STAMP)
 
-# The main job: plan a 720p 81-frame request at SP=4 (with its picture), then run it on
-# 4 local ranks on a reduced-width NaDiT of the 3B structure and check parity with one device.
+# The main job: generate a short moving, textured test clip with an audio track, restore it with
+# SeedVR2 (tiny seeded DiT and VAE) on 2 local ranks in 9-frame windows, write the video, a picture
+# of input vs output frames and a per-stage timeline, and check the frames against one device.
 run: $(STAMP)
 	mkdir -p out
-	$(BIN)/ditsp plan --resolution 1280x720 --frames 81 --sp 4 --plot out/plan-720p-sp4.png
-	$(BIN)/ditsp run --model small --layers 4 --resolution 1280x720 --frames 81 --sp 4 --check
+	$(BIN)/python -m ditsp.io.testclip out/input.mp4 --size 64x48 --frames 21 --fps 12
+	$(BIN)/ditsp upscale out/input.mp4 -o out/restored.mp4 --sp 2 --scale 2 --window-frames 9 --overlap 4 \
+		--overwrite --plot out/upscale.png --check --no-progress
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

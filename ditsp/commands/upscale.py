@@ -46,11 +46,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-memory", type=float, metavar="GiB",
                    help="per-rank memory budget (default: free memory / local ranks)")
     p.add_argument("--force", action="store_true", help="run even if the memory estimate exceeds the budget")
+    p.add_argument("--fps", type=float, help="output frame rate (default: the input's; 24 for a folder of frames)")
     p.add_argument("--crf", type=int, default=18, help="H.264 quality (0-51, lower is better)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before a stuck rank ends the run")
     p.add_argument("--plot", metavar="FILE.png", help="picture of input vs output frames and the stage timeline")
+    p.add_argument("--check", action="store_true",
+                   help="also restore on one device (to a temporary file) and report whether the frames match")
     p.add_argument("--json", action="store_true", help="print one JSON report")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
@@ -66,8 +69,14 @@ def _wxh(text: str, what: str) -> tuple[int, int]:
         raise ValueError(f"{what}: {e}") from None
 
 
+def one_line(msg: str, limit: int = 400) -> str:
+    """A multi-line message (a checkpoint report, say) as one line: its lines joined, long ones cut."""
+    text = "; ".join(part.strip().rstrip(":") for part in str(msg).splitlines() if part.strip())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _fail(msg: str) -> int:
-    print(f"ditsp upscale: error: {msg}", file=sys.stderr)
+    print(f"ditsp upscale: error: {one_line(msg)}", file=sys.stderr)
     return 1
 
 
@@ -88,6 +97,8 @@ def build_request(args):
         raise ValueError(f"--timeout must be > 0, got {args.timeout}")
     if args.vae_chunk < 1:
         raise ValueError(f"--vae-chunk must be >= 1, got {args.vae_chunk}")
+    if args.fps is not None and not 0 < args.fps <= 1000:
+        raise ValueError(f"--fps must be in (0, 1000], got {args.fps}")
     if not 0 <= args.crf <= 51:
         raise ValueError(f"--crf must be in 0..51, got {args.crf}")
     for flag, path in (("--dit", args.dit), ("--vae", args.vae), ("--text-embedding", args.text_embedding)):
@@ -138,7 +149,7 @@ def build_request(args):
     req = UpscaleRequest(
         input=args.input, output=args.output, weights=weights, area=area, size=size, seed=args.seed,
         color_fix=args.color_fix, window_frames=args.window_frames, overlap=args.overlap, vae_mode=args.vae_mode,
-        vae_chunk=args.vae_chunk, budget_gib=args.max_memory, planner=args.planner, sp=args.sp, crf=args.crf,
+        vae_chunk=args.vae_chunk, budget_gib=args.max_memory, planner=args.planner, sp=args.sp, crf=args.crf, fps=args.fps,
         overwrite=args.overwrite, progress=not args.no_progress and not args.json,
         sample_frames=4 if args.plot else 0,
     )
@@ -181,14 +192,16 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"{args.input}: {info.kind}, {frames} frame(s), {geo.describe()}, SP={args.sp}; {mem_line}")
     try:
         results = dispatch(rank_upscale, req, sp=args.sp, threads=args.threads, timeout_s=args.timeout)
-    except RankError as e:
+    except RankError as e:  # its first line names the cause on each failed rank
         return _fail(str(e).splitlines()[0])
     except (ValueError, MemoryError, OSError) as e:
-        return _fail(str(e).splitlines()[0])
+        return _fail(str(e))
     if "output" not in results[0]:  # a torchrun rank other than 0: rank 0 reports
         return 0
     summary = summarize(results)
     summary["memory_estimate"] = mem_line
+    if args.check:
+        summary["parity"] = parity_vs_one_device(req, summary, args.threads)
     if args.plot:
         plot_report(summary, args.plot)
     summary.pop("samples", None)
@@ -196,6 +209,38 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(json.dumps(summary, indent=2, default=str))
     else:
         print(format_report(summary))
+        if args.check:
+            print(format_parity(summary["parity"], req.sp))
         if args.plot:
             print(f"wrote {args.plot}")
     return 0
+
+
+def parity_vs_one_device(req, summary: dict, threads: int) -> dict:
+    """Restore again on one device into a temporary file; compare the uint8 frames (digest, then values)."""
+    import tempfile
+    from dataclasses import replace
+
+    import torch
+
+    from ..engine import dispatch
+    from ..io.video import open_media
+    from ..models.seedvr2.restore import rank_upscale
+
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(req.output))) as tmp:
+        ref_out = os.path.join(tmp, "one-device" + Path(req.output).suffix)
+        ref = dispatch(rank_upscale, replace(req, output=ref_out, sp=1, progress=False, sample_frames=0), sp=1,
+                       threads=threads)[0]
+        out = {"same_frames": ref["sha256"] == summary["sha256"], "one_device_sha256": ref["sha256"]}
+        if not out["same_frames"]:  # say how far apart, from the written files
+            a = torch.cat(list(open_media(req.output)[1])).int()
+            b = torch.cat(list(open_media(ref_out)[1])).int()
+            out["max_abs_diff_decoded"] = int((a - b).abs().max()) if a.shape == b.shape else None
+    return out
+
+
+def format_parity(p: dict, sp: int) -> str:
+    if p["same_frames"]:
+        return f"parity vs one device: SP={sp} wrote the same uint8 frames (sha256 {p['one_device_sha256'][:16]})"
+    return (f"parity vs one device: frames differ (max abs difference after encoding "
+            f"{p.get('max_abs_diff_decoded')})")

@@ -9,17 +9,41 @@ run (:mod:`.vae.memory`). It is a model, not a measurement: `ditsp upscale
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from ...memory import available_bytes  # noqa: F401 - re-exported for the upscale command
 from .nadit.config import get_config
 from .vae.config import PRESETS as VAE_PRESETS
 from .weights import MODELS
 
 GiB = 2**30
 ELEM = {"fp32": 4, "bf16": 2}
+
+
+INVARIANT_VAE_MODES = ("replicated", "chunked")  # every rank runs the whole pass: same bytes at every degree
+
+
+def pipeline_vae_mode(vae_cfg, shape: tuple[int, int, int], world: int, budget: int | None, dtype: torch.dtype,
+                      chunk: int = 1, requested: str = "auto") -> str:
+    """The VAE mode a restoration runs: ``requested``, or for ``auto`` the first degree-invariant mode that fits.
+
+    ``replicated`` and ``chunked`` give bitwise the same result (tested), and
+    neither depends on the SP degree, so whichever fits keeps the restoration
+    identical at every degree. Only when neither fits ``budget`` per rank does
+    the VAE shard (``"auto"`` is then the VAE's own choice; its sharded modes
+    match one device to 1e-5, not bit for bit).
+    """
+    if requested != "auto":
+        return requested
+    from .vae.memory import estimate as vae_estimate
+
+    for mode in INVARIANT_VAE_MODES:
+        peak = max(vae_estimate(vae_cfg, op, shape, world, mode, dtype, chunk).total for op in ("encode", "decode"))
+        if budget is None or peak <= budget:
+            return mode
+    return "auto"
 
 
 @dataclass(frozen=True)
@@ -60,30 +84,14 @@ def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: i
     latents = t * h * w * (16 * 4 + 33) * 4  # latent, noise, x0, decoder input in fp32 + the 33-channel input
     vdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     shape = (T, H, W)
-    if vae_mode == "auto":
+    mode = pipeline_vae_mode(vcfg, shape, sp, budget, vdtype, vae_chunk, vae_mode)
+    if mode == "auto":
         try:
             mode = choose_mode(vcfg, "decode", shape, sp, budget, vdtype, vae_chunk).mode
         except MemoryError:
             mode = "tiled"
-    else:
-        mode = vae_mode
     vae = max(vae_estimate(vcfg, op, shape, sp, mode, vdtype, vae_chunk).total for op in ("encode", "decode"))
     return Estimate(cfg.param_count() * e, int(dit_act), int(latents), int(vae), mode)
-
-
-def available_bytes(ranks_here: int, device: torch.device | None = None) -> int:
-    """Memory one rank can use: the device's free memory, else this machine's available RAM / local ranks."""
-    if device is not None and device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 // max(1, ranks_here)
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")) // max(1, ranks_here)
 
 
 def suggestions(model: str, dtype: str, frames: int, out_hw, sp: int, vae_mode: str, budget: int,

@@ -32,6 +32,7 @@ import torch
 from ...config import ParallelConfig
 from ...dist.comm import Comm, CommStats
 from ...memory import PeakMemory
+from .budget import pipeline_vae_mode
 from .parallelize import parallelize
 from .pipeline import (
     StreamingBlender,
@@ -53,6 +54,7 @@ from .weights import WeightsSpec, load
 
 STAGES = ("read", "vae_encode", "dit", "vae_decode", "color_fix", "write")
 GiB = 2**30
+DEFAULT_FPS = 24
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class UpscaleRequest:
     planner: str = "lpt"
     sp: int = 1
     crf: int = 18
+    fps: float | None = None  # output frame rate; default: the input's (24 for a folder of frames)
     overwrite: bool = False
     progress: bool = True
     sample_frames: int = 0  # keep this many (input, output) frame pairs for a picture
@@ -180,7 +183,8 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
     bar = tqdm(total=len(plan) * 4, desc="upscale", unit="step", disable=not (rank0 and req.progress), leave=False)
     try:
         if rank0 and not is_image:
-            writer = VideoWriter(req.output, info.rate or info.fps, crf=req.crf,
+            fps = req.fps or info.rate or info.fps or DEFAULT_FPS
+            writer = VideoWriter(req.output, fps, crf=req.crf,
                                  audio_from=req.input if info.has_audio else None, overwrite=req.overwrite)
         for win in plan:
             bar.set_postfix_str(f"window {win.index + 1}/{len(plan)} read+encode")
@@ -190,8 +194,11 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
             xp = pad_frames(x, dim=1)[None]  # (1, 3, 4n+1, h, w)
             g = make_generator(win.seed)
 
+            mode = pipeline_vae_mode(vae.cfg, tuple(xp.shape[2:]), ctx.world_size, budget, vae.dtype, req.vae_chunk,
+                                     req.vae_mode)
+
             def encode():
-                enc = pvae.encode(xp, req.vae_mode)
+                enc = pvae.encode(xp, mode)
                 eps = make_noise(enc.posterior.mean.shape, g, dtype=torch.float32)
                 vae_reports.add(enc.report)
                 z = vae.to_latent(enc.posterior.sample(eps.to(enc.posterior.mean.dtype)))
@@ -213,7 +220,7 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
             bar.set_postfix_str(f"window {win.index + 1}/{len(plan)} decode")
             z = decoder_latent(one_step_x0(noise, v), dtype=vae.dtype)
             z = z if z.dim() == 5 else z.unsqueeze(2)
-            decoded = st.run("vae_decode", win.index, lambda: pvae.decode(z, req.vae_mode))
+            decoded = st.run("vae_decode", win.index, lambda: pvae.decode(z, mode))
             vae_reports.add(pvae.last_report)
             bar.update()
             content = decoded[0, :, :n].permute(1, 0, 2, 3)  # (T, 3, H, W), padding dropped
@@ -230,7 +237,7 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
                     src = to_uint8(x.permute(1, 0, 2, 3))
                     samples_in += [src[written - win.start + i] for i in idx]
                 if is_image:
-                    st.run("write", win.index, write_image, req.output, out[0], overwrite=req.overwrite)
+                    st.run("write", win.index, lambda: write_image(req.output, out[0], overwrite=req.overwrite))
                 else:
                     st.run("write", win.index, writer.write, out)
                 written += out.shape[0]
