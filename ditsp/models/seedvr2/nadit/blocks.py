@@ -19,6 +19,7 @@ from torch import nn
 from ....attention.window import WindowPack
 from .config import NaDiTConfig
 from .rope import MMRope3d, RopeBuffer
+from .tokenwise import TokenLinear
 
 ATTN, MLP = 0, 1  # AdaSingle layer slots
 SHIFT, SCALE, GATE = 0, 1, 2
@@ -84,9 +85,9 @@ class AdaSingle(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.proj_in_gate = nn.Linear(dim, hidden, bias=False)
-        self.proj_in = nn.Linear(dim, hidden, bias=False)
-        self.proj_out = nn.Linear(hidden, dim, bias=False)
+        self.proj_in_gate = TokenLinear(dim, hidden, bias=False)
+        self.proj_in = TokenLinear(dim, hidden, bias=False)
+        self.proj_out = TokenLinear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj_out(F.silu(self.proj_in_gate(x)) * self.proj_in(x))
@@ -102,8 +103,8 @@ class WindowMMAttention(nn.Module):
         super().__init__()
         d, inner = cfg.vid_dim, cfg.heads * cfg.head_dim
         self.heads, self.head_dim, self.eps = cfg.heads, cfg.head_dim, cfg.norm_eps
-        self.proj_qkv = MM(lambda: nn.Linear(d, 3 * inner, bias=False), shared)
-        self.proj_out = MM(lambda: nn.Linear(inner, d, bias=True), shared)
+        self.proj_qkv = MM(lambda: TokenLinear(d, 3 * inner, bias=False), shared)
+        self.proj_out = MM(lambda: TokenLinear(inner, d, bias=True), shared)
         self.norm_q = MM(lambda: HeadNorm(cfg.head_dim), shared)
         self.norm_k = MM(lambda: HeadNorm(cfg.head_dim), shared)
         self.rope = rope if rope is not None else MMRope3d(cfg.rope_dim, cfg.rope_theta)

@@ -27,6 +27,7 @@ from ....attention.window import WindowPack
 from .blocks import ATTN, MLP, MM, AdaSingle, WindowMMAttention, emb_slots, rms_norm
 from .config import NaDiTConfig
 from .rope_pixel import PixelRope3d
+from .tokenwise import TokenLinear
 
 
 class GeluTanhMLP(nn.Module):
@@ -34,8 +35,8 @@ class GeluTanhMLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.proj_in = nn.Linear(dim, hidden, bias=True)
-        self.proj_out = nn.Linear(hidden, dim, bias=True)
+        self.proj_in = TokenLinear(dim, hidden, bias=True)
+        self.proj_out = TokenLinear(hidden, dim, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj_out(F.gelu(self.proj_in(x), approximate="tanh"))

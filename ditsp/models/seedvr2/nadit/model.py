@@ -28,6 +28,7 @@ from .blocks import NaMMSRBlock
 from .blocks_7b import NaMMSRBlock7B
 from .config import NaDiTConfig
 from .heads import NormAdaHead, OutAda, PlainHead, RMSNormWeight  # noqa: F401 - OutAda/RMSNormWeight re-exported
+from .tokenwise import TokenLinear
 
 # variant -> (block class, output head)
 FAMILIES = {"3b": (NaMMSRBlock, NormAdaHead), "7b": (NaMMSRBlock7B, PlainHead)}
@@ -59,13 +60,13 @@ class TimeEmbedding(nn.Module):
 class PatchIn(nn.Module):
     def __init__(self, in_channels: int, dim: int):
         super().__init__()
-        self.proj = nn.Linear(in_channels, dim)
+        self.proj = TokenLinear(in_channels, dim)
 
 
 class PatchOut(nn.Module):
     def __init__(self, dim: int, out_channels: int):
         super().__init__()
-        self.proj = nn.Linear(dim, out_channels)
+        self.proj = TokenLinear(dim, out_channels)
 
 
 def patchify(vid: torch.Tensor, patch: Sequence[int]) -> torch.Tensor:
