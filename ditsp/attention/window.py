@@ -5,9 +5,11 @@ is replicated into each window, so each window also yields one text output.
 This module returns the video output rows (local order kept) and the *sum* of
 the per-window text outputs: the caller's runtime turns that sum into the
 reference's plain mean over all windows (across ranks). The sum is kept in
-fp64: fp32 text outputs add exactly in fp64 unless their magnitudes span more
-than about 2^20, so the result does not depend on which rank summed which
-windows, i.e. on the SP degree or the plan.
+fp64: per element, fp32 (or bf16) text outputs add exactly in fp64 unless their
+nonzero magnitudes span more than about 2^(29 - log2(windows)), and an exact
+sum does not depend on which rank summed which windows, i.e. on the SP degree
+or the plan (docs/determinism.md). A window's output does not depend on the
+other windows in its SDPA batch (measured on CPU; tests/test_sp_invariance.py).
 
 Two paths, same maths:
 - ``varlen``: one packed flash-attn varlen call with ``cu_seqlens`` (CUDA,

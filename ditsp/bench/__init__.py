@@ -7,11 +7,12 @@ import argparse
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``bench`` command group to the top-level subparsers ``sub``."""
-    from . import attention, forward, planners
+    from . import attention, forward, invariance, planners
 
     p = sub.add_parser("bench", help="benchmark SP paths side by side on local ranks")
     bsub = p.add_subparsers(dest="bench", required=True)
     attention.add_parser(bsub)
     forward.add_parser(bsub)
     planners.add_parser(bsub)
+    invariance.add_parser(bsub)
     return p
