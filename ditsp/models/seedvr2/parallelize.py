@@ -8,7 +8,8 @@ model's forward takes:
 
 - ``path="window"`` (default): window-aligned SP, planner from the config;
 - ``path="ulysses"``: the Ulysses baseline (contiguous token shards, heads
-  moved around window attention), for comparison.
+  moved around window attention), for comparison;
+- ``path="halo"``: halo-slab Plan B (fixed slabs, halo Q/K/V lent to attention).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ...dist.comm import Comm
 from ...sp import SPRuntime, UlyssesWindowRuntime, WindowRuntime
 from .nadit.config import NaDiTConfig
 
-PATHS = ("window", "ulysses")
+PATHS = ("window", "ulysses", "halo")
 
 
 def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: Sequence[int], group=None,
@@ -46,4 +47,8 @@ def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: 
                              torch.float64)
     if path == "ulysses":
         return UlyssesWindowRuntime(grid, cfg.window_methods, cfg.heads, comm, cfg.num_windows, torch.float64)
+    if path == "halo":
+        from ...sp.halo_slab import HaloSlabRuntime
+
+        return HaloSlabRuntime(grid, cfg.window_methods, comm, cfg.num_windows, torch.float64)
     raise ValueError(f"unknown SP path {path!r}; choose from {', '.join(PATHS)}")
