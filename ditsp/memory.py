@@ -1,7 +1,9 @@
-"""Peak memory of a region of code, per rank: the CUDA allocator's peak, else the RSS high-water mark."""
+"""Memory per rank: the peak of a region of code (CUDA peak or RSS high-water mark), and what
+one rank can use before work starts (:func:`available_bytes`)."""
 
 from __future__ import annotations
 
+import os
 import resource
 
 import torch
@@ -46,3 +48,18 @@ def _status_kib(field: str) -> int:
     except OSError:
         pass
     return 0
+
+
+def available_bytes(ranks_here: int, device: torch.device | None = None) -> int:
+    """Memory one rank can use: the device's free memory, else this machine's available RAM / local ranks."""
+    if device is not None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // max(1, ranks_here)
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")) // max(1, ranks_here)

@@ -21,6 +21,7 @@ from ..attention.usp import AllGatherKV, Ring, SPAttention, Ulysses
 from ..config import ParallelConfig
 from ..dist.groups import build_sp_groups
 from ..dist.comm import Comm
+from ..commands.common import choice_list, nonneg_int, positive_int
 from ..engine import DTYPES
 
 
@@ -111,15 +112,31 @@ def format_table(rows: list[dict], cfg: dict) -> str:
     return "\n".join(lines)
 
 
+STRATEGY_NAMES = ("ulysses", "ring", "allgather", "usp-ring", "usp-allgather")
+
+
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    def fail(msg: str):
+        if parser is not None:
+            parser.error(msg)
+        raise ValueError(msg)
+
     if args.sp < 1 or args.seq < 1 or args.heads < 1:
-        (parser.error if parser else ValueError)("--sp, --seq and --heads must be >= 1")
+        fail("--sp, --seq and --heads must be >= 1")
     kv = args.kv_heads or args.heads
     if args.heads % kv:
-        (parser.error if parser else ValueError)(f"--kv-heads {kv} must divide --heads {args.heads}")
+        fail(f"--kv-heads {kv} must divide --heads {args.heads}")
     strategies = strategies_for(args.sp)
     if args.strategies:
-        wanted = args.strategies.split(",")
+        wanted = args.strategies if isinstance(args.strategies, list) else args.strategies.split(",")
+        unknown = [w for w in wanted if w not in STRATEGY_NAMES]
+        if unknown:
+            fail(f"--strategies: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(STRATEGY_NAMES)}")
+        fits = [s[0] for s in strategies]
+        misfit = [w for w in wanted if w not in fits]
+        if misfit:
+            fail(f"--strategies: {', '.join(misfit)} need(s) a 2D mesh that --sp {args.sp} does not have; "
+                 f"at --sp {args.sp}: {', '.join(fits)}")
         strategies = [s for s in strategies if s[0] in wanted]
     cfg = {"sp": args.sp, "seq": args.seq, "heads": args.heads, "kv_heads": kv, "head_dim": args.head_dim,
            "batch": args.batch, "text": args.text, "dtype": args.dtype, "backward": args.backward,
@@ -130,18 +147,19 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("attention", help="global-attention SP strategies side by side (time, bytes, calls)")
-    p.add_argument("--sp", type=int, required=True, help="ranks (local gloo processes)")
-    p.add_argument("--seq", type=int, required=True, help="video tokens (whole sequence)")
-    p.add_argument("--heads", type=int, required=True)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--kv-heads", type=int, help="K/V heads (GQA); default: --heads")
-    p.add_argument("--text", type=int, default=0, help="replicated joint text tokens")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--sp", type=positive_int, required=True, help="ranks (local gloo processes)")
+    p.add_argument("--seq", type=positive_int, required=True, help="video tokens (whole sequence)")
+    p.add_argument("--heads", type=positive_int, required=True)
+    p.add_argument("--head-dim", type=positive_int, default=64)
+    p.add_argument("--kv-heads", type=positive_int, help="K/V heads (GQA); default: --heads")
+    p.add_argument("--text", type=nonneg_int, default=0, help="replicated joint text tokens")
+    p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--backward", action="store_true", help="time forward + backward")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
-    p.add_argument("--strategies", help="comma-separated subset (ulysses,ring,allgather,usp-ring,usp-allgather)")
+    p.add_argument("--warmup", type=nonneg_int, default=1)
+    p.add_argument("--iters", type=positive_int, default=5)
+    p.add_argument("--threads", type=positive_int, default=1, help="compute threads per rank")
+    p.add_argument("--strategies", type=choice_list(STRATEGY_NAMES),
+                   help="comma-separated subset (ulysses,ring,allgather,usp-ring,usp-allgather)")
     p.set_defaults(func=main)
     return p

@@ -17,8 +17,10 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
+from ..commands.common import nonneg_int, positive_int, positive_int_list
 from ..dist.launcher import LocalCluster
 from ..engine import RunSpec, rank_forward
+from ..models.seedvr2.nadit.config import PRESETS
 from ..windows.schedule import plan_schedule
 
 PATHS = [("window", "lpt"), ("window", "locality"), ("ulysses", "lpt")]
@@ -175,23 +177,36 @@ def plot(rows: list[dict], ana: list[dict], path: str) -> None:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("forward", help="single device vs window SP (LPT, locality) vs Ulysses on one NaDiT")
-    p.add_argument("--model", default="small")
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--model", default="small", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=positive_int, default=4)
     p.add_argument("--grid", default="9,45,80", help="post-patch grid T,H,W (default: 720p, 33 frames)")
-    p.add_argument("--sp", default="2,4", help="SP degrees, comma separated")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="compute threads per rank and for the single device")
+    p.add_argument("--sp", default="2,4", type=positive_int_list, help="SP degrees, comma separated")
+    p.add_argument("--warmup", type=nonneg_int, default=1)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int, default=1, help="compute threads per rank and for the single device")
     p.add_argument("--out", default="benchmarks/results", help="folder for forward.md, forward.json, forward.png")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace, parser=None) -> int:
+    from ..commands.common import check_layers, check_output_folder
     from ..models.seedvr2.sizing import parse_grid
 
-    spec = RunSpec(model=args.model, grid=parse_grid(args.grid), sp=1, layers=args.layers,
+    def fail(msg: str):
+        if parser is not None:
+            parser.error(msg)
+        raise ValueError(msg)
+
+    try:
+        grid = parse_grid(args.grid)
+    except ValueError as e:
+        fail(f"--grid: {e}")
+    if parser is not None:
+        check_layers(parser, args.layers, args.model)
+        check_output_folder(parser, args.out, "--out")
+    spec = RunSpec(model=args.model, grid=grid, sp=1, layers=args.layers,
                    warmup=args.warmup, repeats=args.repeats)
-    sps = [int(v) for v in args.sp.split(",")]
+    sps = args.sp if isinstance(args.sp, list) else positive_int_list(args.sp)
     rows = measure(spec, sps, args.threads)
     ana = analytical()
     text = (f"## Measured forward\n\n{format_measured(rows, spec, args.threads)}\n\n"

@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from ..commands.common import nonneg_float, nonneg_int
 from ..windows.geometry import _layout, window_layout
 from ..windows.plan import PLAN_CACHE, TRANSITION_CACHE
 from ..windows.planners import locality
@@ -129,8 +130,8 @@ def _pct(x: float) -> str:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("planners", help="LPT vs locality planning: tokens moved, peaks, balance, exact optima")
-    p.add_argument("--ilp-seconds", type=float, default=40.0, help="HiGHS time limit per instance (0: skip)")
-    p.add_argument("--ilp-max-binaries", type=int, default=400, help="skip the ILP above this many x[v, r]")
+    p.add_argument("--ilp-seconds", type=nonneg_float, default=40.0, help="HiGHS time limit per instance (0: skip)")
+    p.add_argument("--ilp-max-binaries", type=nonneg_int, default=400, help="skip the ILP above this many x[v, r]")
     p.set_defaults(func=main)
     return p
 

@@ -6,19 +6,23 @@ import argparse
 import json
 
 from ..models.seedvr2.nadit.config import PRESETS, get_config
-from .common import add_request_args, resolve_grid
+from .common import (add_plan_limit_args, add_request_args, check_layers, check_output_file, check_plan_size,
+                     check_planner, positive_int, resolve_grid)
+
+REPORT_BYTES_PER_PAIR = 24  # the JSON report's count matrices: a list slot and a few characters per entry
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan window-aligned SP for one request (no GPU, no model)")
     add_request_args(p)
-    p.add_argument("--sp", type=int, required=True, help="sequence-parallel degree")
+    p.add_argument("--sp", type=positive_int, required=True, help="sequence-parallel degree")
     p.add_argument("--model", default="seedvr2-3b", choices=sorted(PRESETS))
-    p.add_argument("--layers", type=int, help="override the model's layer count")
+    p.add_argument("--layers", type=positive_int, help="override the model's layer count")
     p.add_argument("--planner", default="lpt", help="window planner (lpt, ...) or 'all' to compare")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--compact", action="store_true", help="JSON on one line")
     p.add_argument("--plot", metavar="FILE.png", help="write a picture of the plan")
+    add_plan_limit_args(p)
     p.set_defaults(func=main)
     return p
 
@@ -26,18 +30,25 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..models.seedvr2.plan_report import format_summary, plan_request, summarize
     from ..windows.planners import planner_names
+    from ..windows.schedule import plan_limits
 
+    check_layers(parser, args.layers, args.model)
+    check_planner(parser, args.planner, allow_all=True)
+    check_output_file(parser, args.plot, "--plot")
     grid, notes = resolve_grid(args, parser)
     cfg = get_config(args.model, args.layers)
     planners = planner_names() if args.planner == "all" else [args.planner]
+    for name in planners:  # every refusal before any planning
+        check_plan_size(parser, args, grid, cfg, args.sp, name, REPORT_BYTES_PER_PAIR)
     summaries, schedules = [], []
-    for name in planners:
-        try:
-            schedule = plan_request(grid, cfg, args.sp, name)
-        except ValueError as e:
-            parser.error(str(e))
-        schedules.append(schedule)
-        summaries.append(summarize(schedule, cfg))
+    with plan_limits(args.max_plan_memory, args.max_plan_seconds):
+        for name in planners:
+            try:
+                schedule = plan_request(grid, cfg, args.sp, name)
+            except ValueError as e:
+                parser.error(str(e))
+            schedules.append(schedule)
+            summaries.append(summarize(schedule, cfg))
     if args.json:
         out = summaries[0] if len(summaries) == 1 else {s["planner"]: s for s in summaries}
         if notes:

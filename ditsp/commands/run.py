@@ -1,21 +1,36 @@
-"""`ditsp run`: one NaDiT forward under SP on local ranks or in a torchrun job, with a report."""
+"""`ditsp run`: one NaDiT forward under SP on local ranks or in a torchrun job, with a report.
+
+Before any rank starts, the command checks its arguments, the planner's size
+(:mod:`ditsp.windows.schedule`) and the resources: the modelled memory of one
+rank (:func:`estimate_rank_memory`) against this machine's available memory
+per local rank (or ``--max-memory``), and the local ranks against the CPU
+cores. ``--force`` skips the resource check.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+from dataclasses import dataclass
 
 from ..engine import DTYPES
 from ..models.seedvr2.nadit.config import PRESETS
-from .common import add_request_args, resolve_grid
+from .common import (add_plan_limit_args, add_request_args, check_layers, check_plan_size, check_planner,
+                     nonneg_int, positive_float, positive_int, resolve_grid)
+
+GiB = 2**30
+RANK_BASE_BYTES = 300 * 2**20  # a spawned rank: Python, torch and ditsp imported (measured ~280 MiB on CPU)
+RANKS_PER_CORE_LIMIT = 8  # past this many local ranks per core, refuse (without --force)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run one NaDiT forward under SP (local ranks or a torchrun job)")
     add_request_args(p)
-    p.add_argument("--sp", type=int, required=True, help="sequence-parallel degree (ranks)")
+    p.add_argument("--sp", type=positive_int, required=True, help="sequence-parallel degree (ranks)")
     p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--layers", type=int, help="override the model's layer count")
+    p.add_argument("--layers", type=positive_int, help="override the model's layer count")
     p.add_argument("--checkpoint", help=".pth or .safetensors with the reference key names (else seeded weights)")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--planner", default="lpt", help="window planner")
@@ -24,22 +39,121 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="also run single-device and print the parity error")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=0, help="forwards before the timed ones")
-    p.add_argument("--repeats", type=int, default=1, help="timed forwards (the report shows the fastest)")
-    p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before a stuck run is ended")
+    p.add_argument("--warmup", type=nonneg_int, default=0, help="forwards before the timed ones")
+    p.add_argument("--repeats", type=positive_int, default=1, help="timed forwards (the report shows the fastest)")
+    p.add_argument("--threads", type=positive_int, default=1, help="compute threads per rank")
+    p.add_argument("--timeout", type=positive_float, default=3600.0, help="seconds before a stuck run is ended")
+    p.add_argument("--max-memory", type=positive_float, metavar="GiB",
+                   help="memory one rank may use (default: available memory / local ranks)")
+    p.add_argument("--force", action="store_true", help="skip the memory and CPU checks before starting ranks")
+    add_plan_limit_args(p)
     p.set_defaults(func=main)
     return p
 
 
-def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..engine import RunSpec, run
+@dataclass(frozen=True)
+class RankMemory:
+    """Modelled peak bytes of one rank of `ditsp run` (a model, not a measurement)."""
 
+    base: int  # the process itself (spawned ranks only)
+    weights: int  # every rank holds all weights (plus the checkpoint file while loading)
+    activations: int  # the largest per-layer tensors of this rank's token share
+    io: int  # full-size input and gathered output, held on every rank
+    plan: int  # the planner's own memory (every rank plans)
+    parent: int  # extra in the launching process (--check: a single-device forward)
+
+    @property
+    def total(self) -> int:
+        return self.base + self.weights + self.activations + self.io + self.plan
+
+    def describe(self) -> str:
+        return (f"{self.total / GiB:.2f} GiB per rank (process {self.base / GiB:.2f}, weights {self.weights / GiB:.2f}, "
+                f"activations {self.activations / GiB:.2f}, input/output {self.io / GiB:.2f}, "
+                f"plan {self.plan / GiB:.2f})")
+
+
+def estimate_rank_memory(cfg, dtype: str, grid, sp: int, checkpoint: str | None, plan_bytes: int,
+                         spawned: bool, check: bool) -> RankMemory:
+    """Weights (``cfg.param_count()`` x dtype bytes) + activations of the rank's token share + the rest."""
+    e = DTYPES[dtype].itemsize
+    tokens = grid[0] * grid[1] * grid[2]
+    share = -(-tokens // sp)
+    per_token = (6 * cfg.vid_dim + 2 * cfg.mlp_hidden) * e  # residual, norm, q/k/v, attention out, MLP hidden
+    weights = cfg.param_count() * e
+    if checkpoint and os.path.isfile(checkpoint):
+        weights += os.path.getsize(checkpoint)  # the file's tensors until they are copied in
+    io = tokens * (cfg.patch_channels + 2 * cfg.out_patch_channels) * 4  # fp32 input, output and its gather
+    parent = (cfg.param_count() * e + tokens * per_token) if check else 0
+    return RankMemory(RANK_BASE_BYTES if spawned else 0, int(weights), int(share * per_token), int(io),
+                      int(plan_bytes), int(parent))
+
+
+def check_resources(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg, grid, plan_bytes: int) -> None:
+    """Refuse (one line) a run whose modelled memory per rank exceeds what one rank can use, or with
+    far more local ranks than CPU cores; warn (one line) when threads oversubscribe the cores."""
+    from ..memory import available_bytes
+
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", args.sp)) if torchrun else args.sp
+    spawned = local > 1 and not torchrun
+    est = estimate_rank_memory(cfg, args.dtype, grid, args.sp, args.checkpoint, plan_bytes, spawned, args.check)
+    cores = os.cpu_count() or 1
+    if args.force:
+        return
+    if args.max_memory:
+        budget, source = int(args.max_memory * GiB), "--max-memory"
+    else:
+        budget, source = available_bytes(local), f"available memory / {local} local rank{'s' if local > 1 else ''}"
+    need = est.total + -(-est.parent // local)
+    if need > budget:
+        extra = f" + {est.parent / GiB:.2f} GiB for --check in the launching process" if est.parent else ""
+        parser.error(f"not enough memory: the run needs about {est.describe()}{extra}, but {source} is "
+                     f"{budget / GiB:.2f} GiB (spread the ranks over more machines, use --dtype bf16 or fewer "
+                     f"--layers; --max-memory GiB or --force overrides)")
+    if local > RANKS_PER_CORE_LIMIT * cores:
+        parser.error(f"{local} local ranks on {cores} CPU core{'s' if cores > 1 else ''} (more than "
+                     f"{RANKS_PER_CORE_LIMIT} per core); use fewer ranks, or --force to start them anyway")
+    if local * args.threads > cores:
+        print(f"ditsp run: warning: {local} rank{'s' if local > 1 else ''} x {args.threads} thread"
+              f"{'s' if args.threads > 1 else ''} on {cores} CPU core{'s' if cores > 1 else ''}: "
+              f"oversubscribed, timings will be slow", file=sys.stderr)
+
+
+def _one_line(message: str) -> str:
+    """A multi-line error as one line: its first line, plus the titles of the lists below it."""
+    lines = str(message).strip().splitlines() or [""]
+    titles = [ln.strip().rstrip(":") for ln in lines[1:] if ln.startswith("  ") and not ln.startswith("   ")]
+    return lines[0] + (" " + ", ".join(titles) if titles else "")
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ..dist.launcher import RankError
+    from ..engine import RunSpec, run
+    from ..models.seedvr2.nadit.checkpoint import CheckpointError
+    from ..models.seedvr2.nadit.config import get_config
+    from ..windows.schedule import plan_limits
+
+    check_layers(parser, args.layers, args.model, strict=bool(args.checkpoint))
+    check_planner(parser, args.planner)
+    if args.checkpoint and not os.path.isfile(args.checkpoint):
+        parser.error(f"--checkpoint {args.checkpoint}: no such file")
     grid, notes = resolve_grid(args, parser)
+    cfg = get_config(args.model, args.layers)
+    plan = check_plan_size(parser, args, grid, cfg, args.sp, args.planner)
+    check_resources(parser, args, cfg, grid, plan.bytes)
     spec = RunSpec(model=args.model, grid=grid, sp=args.sp, layers=args.layers, checkpoint=args.checkpoint,
                    dtype=args.dtype, planner=args.planner, path=args.path, seed=args.seed,
                    warmup=args.warmup, repeats=args.repeats)
-    summary = run(spec, check=args.check, threads=args.threads, timeout_s=args.timeout)
+    try:
+        with plan_limits(args.max_plan_memory, args.max_plan_seconds):
+            summary = run(spec, check=args.check, threads=args.threads, timeout_s=args.timeout)
+    except CheckpointError as e:
+        parser.exit(1, f"ditsp run: error: {_one_line(e)}\n")
+    except RankError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "CheckpointError" not in first and "PlanTooLargeError" not in first:
+            raise  # not a bad input: keep every rank's traceback
+        parser.exit(1, f"ditsp run: error: {first}\n")
     summary["notes"] = notes
     if args.json:
         print(json.dumps(summary, indent=2))

@@ -71,6 +71,9 @@ def window_size(grid: Sequence[int], num_windows: Sequence[int] = (4, 3, 3)) -> 
     nt, nh, nw = _check_num_windows(num_windows)
     scale = math.sqrt(REFERENCE_AREA / (h * w))
     rh, rw = round(h * scale), round(w * scale)  # Python round: half to even
+    # A very thin grid (e.g. 1 x 14400) rounds one side to 0 tokens and the reference divides by
+    # zero; every window spans at least one token instead (no grid the reference plans changes).
+    rh, rw = max(1, rh), max(1, rw)
     return (math.ceil(min(t, MAX_TEMPORAL_WINDOW) / nt), math.ceil(rh / nh), math.ceil(rw / nw))
 
 
@@ -92,6 +95,29 @@ def make_windows(grid: Sequence[int], method: str, num_windows: Sequence[int] = 
     wt, wh, ww = window_size((t, h, w), num_windows)
     ct, ch, cw = cuts(t, wt), cuts(h, wh), cuts(w, ww)
     return [(slice(*st), slice(*sh), slice(*sw)) for sw in cw for sh in ch for st in ct]
+
+
+def window_counts(grid: Sequence[int], method: str, num_windows: Sequence[int] = (4, 3, 3)) -> Grid:
+    """Windows along (t, h, w) of ``grid`` for ``method``, by arithmetic (no window list is built).
+
+    The same counts as :func:`make_windows`, whose window list is their product.
+    """
+    t, h, w = check_grid(grid)
+    shifted = canonical_method(method) == SHIFTED
+
+    def count(size: int, win: int) -> int:
+        if not shifted:
+            return -(-size // win)
+        if win >= size:
+            return 1
+        n = math.ceil((size - 0.5) / win) + 1
+        # only the first and the last shifted cut can be empty (inner ones span >= win - 1 >= 1)
+        first = int(0.5 * win) > 0
+        last = min(int((n - 0.5) * win), size) > max(int((n - 1.5) * win), 0)
+        return n - (not first) - (not last)
+
+    wt, wh, ww = window_size((t, h, w), num_windows)
+    return (count(t, wt), count(h, wh), count(w, ww))
 
 
 def geometry_fingerprint(method: str, num_windows: Sequence[int] = (4, 3, 3)) -> str:
