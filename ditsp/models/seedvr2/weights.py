@@ -99,3 +99,14 @@ def load(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2:
         text = torch.randn(cfg.txt_len, cfg.txt_in_dim, generator=torch.Generator().manual_seed(spec.seed + 11))
     _CACHE[key] = SeedVR2(spec, dit, vae, text.to(device))
     return _CACHE[key]
+
+
+def cached(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2 | None:
+    """The pieces of ``spec`` if this process holds them already, else None (nothing is loaded)."""
+    return _CACHE.get((spec, str(device)))
+
+
+def install(models: SeedVR2, device: torch.device | str = "cpu") -> None:
+    """Make ``models`` (weights received in memory, e.g. from a peer rank) what :func:`load` returns."""
+    _CACHE.clear()
+    _CACHE[(models.spec, str(device))] = models

@@ -1,0 +1,115 @@
+"""`ditsp serve --sp N`: restore videos sent over HTTP on a persistent SP group that survives losing ranks.
+
+The model is loaded once; jobs queue in SQLite under ``--data-dir`` and
+survive a restart. The server listens on 127.0.0.1 unless told otherwise, and
+refuses any other address without ``--token-file``. See docs/serve.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import sys
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="restoration server (HTTP API) on a persistent, elastic SP group",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--sp", type=int, default=1, help="ranks of the SP group (local worker processes)")
+    p.add_argument("--model", default="tiny", choices=["seedvr2-3b", "seedvr2-7b", "tiny", "tiny-7b", "small"])
+    p.add_argument("--dit", metavar="CKPT", help="DiT checkpoint")
+    p.add_argument("--vae", metavar="CKPT", help="VAE checkpoint")
+    p.add_argument("--text-embedding", metavar="FILE", help="text embedding, e.g. pos_emb.pt")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 for seedvr2-*, fp32 otherwise")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8189, help="port (0: any free port; the URL is printed)")
+    p.add_argument("--token-file", metavar="F", help="file holding the bearer token every request must carry")
+    p.add_argument("--data-dir", default="ditsp-serve", metavar="D", help="jobs database, uploads and results")
+    p.add_argument("--allow-input", action="append", default=[], metavar="DIR",
+                   help="a folder whose files jobs may name by path (repeatable; default: uploads only)")
+    p.add_argument("--max-upload-mb", type=float, default=512.0, metavar="M", help="largest upload accepted")
+    p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck collective fails")
+    p.add_argument("--job-timeout", type=float, default=3600.0, help="seconds before a job is declared stuck")
+    p.add_argument("--no-respawn", action="store_true", help="do not replace lost ranks with new workers")
+    p.set_defaults(func=main)
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"ditsp serve: error: {msg}", file=sys.stderr)
+    return 1
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def settings_from(args):
+    from ..serve.app import Settings
+
+    if args.sp < 1:
+        raise ValueError(f"--sp must be >= 1, got {args.sp}")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if not 0 < args.max_upload_mb <= 1 << 20:
+        raise ValueError(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    for flag, path in (("--dit", args.dit), ("--vae", args.vae), ("--text-embedding", args.text_embedding)):
+        if path and not os.path.isfile(path):
+            raise ValueError(f"{flag} {path}: no such file")
+    for d in args.allow_input:
+        if not os.path.isdir(d):
+            raise ValueError(f"--allow-input {d}: not a folder")
+    token = None
+    if args.token_file:
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"--token-file {args.token_file}: {e.strerror}") from None
+        if len(token) < 16:
+            raise ValueError(f"--token-file {args.token_file}: the token must be at least 16 characters")
+    if not _is_loopback(args.host) and token is None:
+        raise ValueError(f"--host {args.host} is not a loopback address: refusing to serve it without --token-file")
+    return Settings(data_dir=args.data_dir, sp=args.sp, model=args.model, dit=args.dit, vae=args.vae,
+                    text_embedding=args.text_embedding, dtype=args.dtype, token=token,
+                    allow_input=list(args.allow_input), max_upload_mb=args.max_upload_mb, threads=args.threads,
+                    timeout_s=args.timeout, job_timeout_s=args.job_timeout, respawn=not args.no_respawn)
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import logging
+
+    try:
+        settings = settings_from(args)
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((args.host, args.port))
+        except OSError as e:
+            sock.close()
+            raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    except ValueError as e:
+        return _fail(str(e))
+    import uvicorn
+
+    from ..serve.app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app = create_app(settings)
+    host, port = sock.getsockname()[:2]
+    print(f"ditsp serve: listening on http://{host}:{port} (SP={settings.sp}, model {settings.model}, "
+          f"data {os.path.abspath(settings.data_dir)})", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
+    return 0

@@ -1,0 +1,324 @@
+"""The HTTP API of `ditsp serve` (FastAPI): jobs in, restored files out, on a persistent elastic SP group.
+
+Every route needs ``Authorization: Bearer <token>`` when the server has a
+token (compared in constant time). Requests are checked before a job is
+accepted, with the checks of `ditsp upscale` (the input opens and has frames,
+the options make sense, the request fits in memory); every bad request gets a
+4xx with a one-line ``detail``.
+
+Routes (see docs/serve.md)::
+
+    POST   /v1/jobs                 submit: multipart ``file`` or form ``path``, form ``options`` (JSON)
+    GET    /v1/jobs                 list (``?state=&limit=``)
+    GET    /v1/jobs/{id}            status and progress (and the report once done)
+    GET    /v1/jobs/{id}/result     the restored file
+    POST   /v1/jobs/{id}/cancel     cancel (a running job stops being served at its end)
+    GET    /healthz                 group and queue state
+    GET    /metrics                 Prometheus text
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import os
+import re
+import shutil
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, File, Form, HTTPException, Request, UploadFile
+from fastapi.responses import FileResponse, JSONResponse, Response
+
+from .store import STATES, JobStore, new_id
+
+ID_RE = re.compile(r"^[0-9a-f]{32}$")
+MiB = 2**20
+# option -> (type, allowed values or None); everything else is refused
+OPTIONS = {
+    "resolution": (str, None), "scale": (float, None), "size": (str, None), "seed": (int, None),
+    "color_fix": (str, ("wavelet", "adain", "none")), "window_frames": (int, None), "overlap": (int, None),
+    "vae_mode": (str, ("auto", "replicated", "chunked", "time", "height", "height+chunks", "tiled")),
+    "vae_chunk": (int, None), "planner": (str, ("lpt", "locality")), "crf": (int, None), "fps": (float, None),
+    "format": (str, ("mp4", "mov", "m4v", "png", "jpg", "jpeg", "webp")),
+}
+
+
+@dataclass
+class Settings:
+    """What a server is started with (the `ditsp serve` flags)."""
+
+    data_dir: str
+    sp: int = 1
+    model: str = "tiny"
+    dit: str | None = None
+    vae: str | None = None
+    text_embedding: str | None = None
+    dtype: str | None = None
+    token: str | None = None
+    allow_input: list[str] = field(default_factory=list)
+    max_upload_mb: float = 512.0
+    threads: int = 1
+    timeout_s: float = 60.0
+    job_timeout_s: float = 3600.0
+    respawn: bool = True
+
+    @property
+    def weights(self):
+        from ..models.seedvr2.weights import WeightsSpec
+
+        dtype = self.dtype or ("bf16" if self.model.startswith("seedvr2") else "fp32")
+        return WeightsSpec(self.model, self.dit, self.vae, self.text_embedding, dtype)
+
+
+def _bad(status: int, msg: str) -> HTTPException:
+    return HTTPException(status_code=status, detail=msg)
+
+
+def _check_options(raw: str) -> dict:
+    try:
+        opts = json.loads(raw or "{}")
+    except json.JSONDecodeError as e:
+        raise _bad(400, f"options: not valid JSON ({e.msg})") from None
+    if not isinstance(opts, dict):
+        raise _bad(400, "options: must be a JSON object")
+    out = {}
+    for k, v in opts.items():
+        if k not in OPTIONS:
+            raise _bad(400, f"options: unknown option {k!r}; known: {', '.join(sorted(OPTIONS))}")
+        typ, choices = OPTIONS[k]
+        if v is None:
+            continue
+        if typ is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if not isinstance(v, typ) or isinstance(v, bool):
+            raise _bad(400, f"options: {k} must be {typ.__name__}")
+        if choices and v not in choices:
+            raise _bad(400, f"options: {k} must be one of {', '.join(choices)}")
+        out[k] = v
+    if sum(k in out for k in ("resolution", "scale", "size")) > 1:
+        raise _bad(400, "options: give at most one of resolution, scale, size")
+    return out
+
+
+def _inside(path: str, folders: list[str]) -> bool:
+    for f in folders:
+        try:
+            if os.path.commonpath([path, f]) == f:
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
+    from ..io.video import IMAGE_EXTS, VIDEO_EXTS
+    from .controller import Controller
+    from .metrics import Metrics
+
+    store = JobStore(settings.data_dir)
+    spec = settings.weights
+    controller = Controller(store, spec, settings.sp, timeout_s=settings.timeout_s, threads=settings.threads,
+                            respawn=settings.respawn, job_timeout_s=settings.job_timeout_s)
+    metrics = Metrics(store)
+    controller.metrics = metrics
+    allowed = [os.path.realpath(d) for d in settings.allow_input]
+    limit = int(settings.max_upload_mb * MiB)
+    token = settings.token.encode() if settings.token else None
+    input_exts = tuple(IMAGE_EXTS) + tuple(VIDEO_EXTS)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        store.recover()
+        if start_workers:
+            controller.start()
+        try:
+            yield
+        finally:
+            controller.stop()
+            store.close()
+
+    def auth(request: Request) -> None:
+        if token is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise HTTPException(401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(given.strip().encode(), token):
+            raise HTTPException(401, "wrong token", headers={"WWW-Authenticate": "Bearer"})
+
+    app = FastAPI(title="ditsp serve", lifespan=lifespan, dependencies=[Depends(auth)], docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    app.state.controller, app.state.store, app.state.metrics = controller, store, metrics
+
+    @app.middleware("http")
+    async def body_limit(request: Request, call_next):
+        if request.method in ("POST", "PUT", "PATCH"):
+            length = request.headers.get("content-length")
+            if length is None:
+                if request.headers.get("transfer-encoding"):
+                    return JSONResponse({"detail": "a Content-Length is required"}, status_code=411)
+            else:
+                try:
+                    n = int(length)
+                except ValueError:
+                    return JSONResponse({"detail": "bad Content-Length"}, status_code=400)
+                if n > limit + MiB:  # the multipart framing around the file
+                    return JSONResponse({"detail": f"upload larger than {settings.max_upload_mb:g} MiB"},
+                                        status_code=413)
+        return await call_next(request)
+
+    def _job_or_404(job_id: str) -> dict:
+        if not ID_RE.match(job_id):
+            raise _bad(404, "no such job")
+        job = store.get(job_id)
+        if job is None:
+            raise _bad(404, "no such job")
+        return job
+
+    def _resolve_named(path: str) -> str:
+        if not allowed:
+            raise _bad(403, "this server reads no input folders (start it with --allow-input DIR)")
+        if "\x00" in path:
+            raise _bad(400, "path: bad characters")
+        candidates = [path] if os.path.isabs(path) else [os.path.join(d, path) for d in allowed]
+        for c in candidates:
+            real = os.path.realpath(c)
+            if _inside(real, allowed):
+                if os.path.exists(real):
+                    return real
+            elif os.path.isabs(path) or ".." in Path(path).parts:
+                raise _bad(403, "path: outside the allowed input folders")
+        raise _bad(404, "path: no such file under the allowed input folders")
+
+    def _save_upload(file: UploadFile, dest: Path) -> None:
+        total = 0
+        try:
+            with open(dest, "xb") as out:
+                while chunk := file.file.read(MiB):
+                    total += len(chunk)
+                    if total > limit:
+                        raise _bad(413, f"upload larger than {settings.max_upload_mb:g} MiB")
+                    out.write(chunk)
+        except BaseException:
+            dest.unlink(missing_ok=True)
+            raise
+        if total == 0:
+            dest.unlink(missing_ok=True)
+            raise _bad(400, "file: empty upload")
+
+    @app.post("/v1/jobs", status_code=201)
+    def submit(file: UploadFile | None = File(None), path: str | None = Form(None), options: str = Form("{}")):
+        from ..commands.upscale import build_request, check_memory
+        from ..io.video import MediaError, probe
+
+        if (file is None) == (path is None):
+            raise _bad(400, "give exactly one of: an uploaded 'file', or a 'path' under an allowed input folder")
+        opts = _check_options(options)
+        job_id = new_id()
+        owned = file is not None
+        if owned:
+            ext = Path(file.filename or "").suffix.lower()
+            if ext not in input_exts or not re.fullmatch(r"\.[a-z0-9]{1,5}", ext):
+                raise _bad(415, f"file: unsupported type {ext or '(no extension)'}; "
+                                f"send one of {', '.join(input_exts)}")
+            src = store.uploads / f"{job_id}{ext}"  # the client's name is kept for display only
+            _save_upload(file, src)
+            src = str(src)
+            name = os.path.basename(file.filename or "")[:200]
+        else:
+            src = _resolve_named(path)
+            name = os.path.basename(src)[:200]
+        try:
+            try:
+                kind = probe(src).kind
+            except (MediaError, OSError, ValueError) as e:
+                raise _bad(400, f"input: cannot be read as a video, image or folder of frames ({_one(e)})") from None
+            fmt = opts.get("format") or ("png" if kind == "image" else "mp4")
+            out = store.results / f"{job_id}.{fmt}"
+            args = _upscale_args(settings, src, str(out), opts)
+            try:
+                req, _info, _frames, geo, window = build_request(args)
+                check_memory(req, geo, window, args)
+            except MemoryError as e:
+                raise _bad(422, _one(e)) from None
+            except (ValueError, OSError) as e:
+                raise _bad(400, _one(e).replace(str(store.root), "<data>")) from None
+        except HTTPException:
+            if owned:
+                Path(src).unlink(missing_ok=True)
+            raise
+        request = {k: v for k, v in asdict(req).items() if k not in ("weights", "overwrite", "progress",
+                                                                      "sample_frames")}
+        store.add(job_id, src, owned, name, str(out), request, opts)
+        return store.get(job_id)
+
+    @app.get("/v1/jobs")
+    def list_jobs(state: str | None = None, limit: int = 100):
+        if state is not None and state not in STATES:
+            raise _bad(400, f"state must be one of {', '.join(STATES)}")
+        if not 1 <= limit <= 1000:
+            raise _bad(400, "limit must be in 1..1000")
+        return {"jobs": store.list(state, limit)}
+
+    @app.get("/v1/jobs/{job_id}")
+    def job_status(job_id: str):
+        job = _job_or_404(job_id)
+        total = job["progress_total"]
+        job["progress"] = job["progress_done"] / total if total else (1.0 if job["state"] == "done" else 0.0)
+        return job
+
+    @app.get("/v1/jobs/{job_id}/result")
+    def job_result(job_id: str):
+        job = _job_or_404(job_id)
+        if job["state"] != "done":
+            raise _bad(409, f"job is {job['state']}; the result exists once it is done")
+        full = store.get(job_id, full=True)
+        p = full["output_path"]
+        if not os.path.isfile(p):
+            raise _bad(410, "the result file is gone")
+        return FileResponse(p, filename=f"{job_id}{Path(p).suffix}")
+
+    @app.post("/v1/jobs/{job_id}/cancel")
+    def cancel(job_id: str):
+        _job_or_404(job_id)
+        state = store.cancel(job_id)
+        return store.get(job_id) | {"state": state}
+
+    @app.get("/healthz")
+    def health():
+        st = controller.status()
+        ok = st["ready"] and not st["error"] and st["ranks"] > 0
+        body = {"status": "ok" if ok else ("starting" if not st["ready"] else "degraded"), **st,
+                "queued": store.count("queued"), "running": store.count("running"),
+                "model": asdict(spec)}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    def prometheus():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app
+
+
+def _one(e: BaseException) -> str:
+    from ..commands.upscale import one_line
+
+    return one_line(str(e), 300)
+
+
+def _upscale_args(settings: Settings, src: str, out: str, opts: dict) -> argparse.Namespace:
+    """The `ditsp upscale` arguments of a job (so the server checks requests exactly as the CLI does)."""
+    return argparse.Namespace(
+        input=src, output=out, sp=settings.sp, model=settings.model, dit=settings.dit, vae=settings.vae,
+        text_embedding=settings.text_embedding, dtype=settings.dtype, resolution=opts.get("resolution"),
+        scale=opts.get("scale"), size=opts.get("size"), seed=opts.get("seed", 666),
+        color_fix=opts.get("color_fix", "wavelet"), window_frames=opts.get("window_frames", 0),
+        overlap=opts.get("overlap", 4), vae_mode=opts.get("vae_mode", "auto"), vae_chunk=opts.get("vae_chunk", 1),
+        planner=opts.get("planner", "lpt"), max_memory=None, force=False, fps=opts.get("fps"),
+        crf=opts.get("crf", 18), overwrite=False, threads=settings.threads, timeout=settings.job_timeout_s,
+        plot=None, check=False, json=True, no_progress=True,
+    )

@@ -1,0 +1,399 @@
+"""Persistent worker processes that form, lose and re-form SP groups without reloading weights.
+
+A :class:`Worker` is one spawned process that lives as long as the server. It
+keeps its weights (the per-process cache of :mod:`ditsp.models.seedvr2.weights`)
+across groups. The server hosts one TCPStore on 127.0.0.1; every group
+*generation* rendezvouses under its own key prefix (``ditsp-gen<g>/``), so a
+new group never sees a dead one's keys. Forming a group on a worker is:
+destroy the old default process group (if any), then ``init_process_group``
+over a :class:`~torch.distributed.PrefixStore` with the new rank and world
+size. A one-rank group needs no process group at all.
+
+Commands a worker runs (one at a time, answered over its own pipe):
+
+- ``form``: join generation ``g`` as rank ``r`` of ``w``;
+- ``weights``: make sure every rank of the group holds the weights of a spec:
+  ranks that already hold them (in the cache) send them to those that do not
+  with one byte broadcast from the lowest such rank; only when no rank holds
+  them are they loaded from storage;
+- ``replan``: build the SP runtimes of the grids the last jobs used at the new
+  degree (window plans are cached, so this warms the cache);
+- ``job``: :func:`~ditsp.models.seedvr2.restore.rank_upscale`, with rank 0's
+  progress written to a shared array the server reads.
+
+A worker dies with the server (the launcher's ``die_with_parent``). When a
+peer dies mid-collective, gloo raises on the survivors (the dead peer's
+sockets close); a survivor then drops its process group at once, so peers
+blocked on it fail too, and it waits for the next ``form``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import multiprocessing.connection
+import os
+import time
+import traceback
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..dist.launcher import LOOPBACK, _loopback_ifname, die_with_parent
+
+STORE_PREFIX = "ditsp-gen"
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended (its pipe closed or its process exited)."""
+
+
+# -- worker side ----------------------------------------------------------------
+
+
+class _Progress:
+    """A stand-in for tqdm's bar inside a worker: rank 0's step counts go to a shared array."""
+
+    shared = None  # multiprocessing Array('l', 2): done, total
+
+    def __init__(self, *args, total=None, disable=False, **kwargs):
+        self.n, self.total, self.disable = 0, int(total or 0), disable
+        self._publish()
+
+    def _publish(self):
+        if not self.disable and _Progress.shared is not None:
+            _Progress.shared[0], _Progress.shared[1] = self.n, self.total
+
+    def update(self, n=1):
+        self.n += n
+        self._publish()
+
+    def set_postfix_str(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
+def _tensors(models) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of a weights set, in a fixed order: DiT and VAE parameters and buffers, the text."""
+    out = []
+    for prefix, mod in (("dit", models.dit), ("vae", models.vae)):
+        out += [(f"{prefix}.p.{n}", t) for n, t in mod.named_parameters()]
+        out += [(f"{prefix}.b.{n}", t) for n, t in mod.named_buffers()]
+    out.append(("text", models.text))
+    return out
+
+
+def _skeleton(spec):
+    """The DiT and VAE of ``spec`` with unallocated storage (no initialisation, no file read)."""
+    from ..models.seedvr2.nadit.config import get_config
+    from ..models.seedvr2.nadit.model import NaDiT
+    from ..models.seedvr2.vae import VideoVAE
+    from ..models.seedvr2.vae.config import PRESETS as VAE_PRESETS
+    from ..models.seedvr2.weights import MODELS
+
+    with torch.device("meta"):
+        dit = NaDiT(get_config(spec.model))
+        vae = VideoVAE(VAE_PRESETS[MODELS[spec.model]])
+    return dit.to_empty(device="cpu"), vae.to_empty(device="cpu")
+
+
+def _set_tensor(root: torch.nn.Module, dotted: str, kind: str, t: torch.Tensor) -> None:
+    mod_name, _, leaf = dotted.rpartition(".")
+    mod = root.get_submodule(mod_name) if mod_name else root
+    if kind == "p":
+        mod._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
+    else:
+        mod._buffers[leaf] = t
+
+
+def share_weights(spec, group_rank: int) -> dict:
+    """Give every rank of the current group the weights of ``spec``; the ranks holding them send them."""
+    from ..models.seedvr2 import weights
+
+    t0 = time.perf_counter()
+    have = weights.cached(spec) is not None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    flags = [have] * world
+    if world > 1:
+        flags = [None] * world
+        dist.all_gather_object(flags, have)
+    if all(flags):
+        return {"source": "cache", "copy_s": 0.0, "bytes": 0}
+    if not any(flags):
+        weights.load(spec)
+        return {"source": "storage", "copy_s": time.perf_counter() - t0, "bytes": 0}
+    src = flags.index(True)
+    if group_rank == src:
+        tensors = _tensors(weights.cached(spec))
+        manifest = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors]
+        raw = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors]
+        flat = torch.cat(raw) if raw else torch.zeros(0, dtype=torch.uint8)
+        dist.broadcast_object_list([manifest, flat.numel()], src=src)
+        dist.broadcast(flat, src=src)
+        return {"source": "sent", "copy_s": time.perf_counter() - t0, "bytes": int(flat.numel())}
+    box = [None, None]
+    dist.broadcast_object_list(box, src=src)
+    manifest, nbytes = box
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    dist.broadcast(flat, src=src)
+    if have:  # this rank held them already: nothing to install
+        return {"source": "cache", "copy_s": time.perf_counter() - t0, "bytes": 0}
+    dit, vae = _skeleton(spec)
+    roots = {"dit": dit, "vae": vae}
+    off, text = 0, None
+    for name, shape, dtype in manifest:
+        dt = getattr(torch, dtype)
+        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dt).element_size()
+        t = flat[off : off + n].clone().view(dt).reshape(shape)
+        off += n
+        if name == "text":
+            text = t
+            continue
+        root, kind, dotted = name.split(".", 2)
+        _set_tensor(roots[root], dotted, kind, t)
+    dit.eval().requires_grad_(False)
+    vae.eval().requires_grad_(False)
+    weights.install(weights.SeedVR2(spec, dit, vae, text))
+    return {"source": "peer", "copy_s": time.perf_counter() - t0, "bytes": int(nbytes)}
+
+
+def request_grids(req) -> list[tuple[int, int, int]]:
+    """The DiT grids a request's windows use (for warming the plan cache at a new degree)."""
+    from ..io.video import count_frames, probe
+    from ..models.seedvr2.pipeline import frame_geometry, plan_windows
+    from ..models.seedvr2.pipeline.padding import padded_length
+
+    info = probe(req.input)
+    frames = info.frames if info.frames is not None else count_frames(req.input)
+    geo = frame_geometry(info.width, info.height, area=req.area, size=req.size)
+    window = req.window_frames or padded_length(frames)
+    grids = set()
+    for win in plan_windows(frames, window, min(req.overlap, window - 1), req.seed):
+        t = (padded_length(win.stop - win.start) - 1) // 4 + 1
+        grids.add((t, geo.out_height // 16, geo.out_width // 16))  # VAE 8x8, patch 1x2x2
+    return sorted(grids)
+
+
+def replan(spec, grids, planner: str) -> dict:
+    """Build the SP runtimes of ``grids`` on the current group (fills the plan cache)."""
+    from ..config import ParallelConfig
+    from ..models.seedvr2 import weights
+    from ..models.seedvr2.parallelize import parallelize
+
+    t0 = time.perf_counter()
+    models = weights.cached(spec)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if models is not None:
+        for grid in grids:
+            parallelize(models.dit.cfg, ParallelConfig(ulysses_degree=world), tuple(grid),
+                        dist.group.WORLD if world > 1 else None, planner)
+    return {"replan_s": time.perf_counter() - t0, "grids": len(grids)}
+
+
+class _Group:
+    """This worker's view of its current group."""
+
+    def __init__(self, port: int, timeout_s: float):
+        self.port, self.timeout_s = port, timeout_s
+        self.store = None
+        self.rank, self.world, self.gen = 0, 1, -1
+
+    def drop(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group still has to go
+                pass
+
+    def form(self, gen: int, rank: int, world: int) -> dict:
+        t0 = time.perf_counter()
+        self.drop()
+        self.rank, self.world, self.gen = rank, world, gen
+        if world > 1:
+            if self.store is None:
+                self.store = dist.TCPStore(LOOPBACK, self.port, None, False,
+                                           datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
+            prefixed = dist.PrefixStore(f"{STORE_PREFIX}{gen}/", self.store)
+            dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+            dist.barrier()
+        return {"form_s": time.perf_counter() - t0, "gen": gen, "rank": rank, "world": world}
+
+    def context(self):
+        from ..dist.launcher import RankContext
+
+        group = dist.group.WORLD if self.world > 1 else None
+        return RankContext(self.rank, self.world, group, torch.device("cpu"))
+
+
+def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, answers, progress,
+                 parent_pid: int) -> None:
+    die_with_parent(parent_pid)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    ifname = _loopback_ifname()
+    if ifname:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+    torch.set_num_threads(threads)
+    import tqdm
+
+    tqdm.tqdm = _Progress  # rank_upscale's progress bar reports to the server instead of a terminal
+    _Progress.shared = progress
+    group = _Group(port, timeout_s)
+    last_grids: dict = {}
+    answers.send((0, True, {"pid": os.getpid()}))
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        cmd_id, name, payload = item
+        try:
+            if name == "form":
+                out = group.form(**payload)
+            elif name == "weights":
+                out = share_weights(payload["spec"], group.rank)
+            elif name == "replan":
+                grids = sorted(last_grids.get(payload["planner"], ()))
+                out = replan(payload["spec"], grids, payload["planner"])
+            elif name == "job":
+                from ..models.seedvr2.restore import rank_upscale
+
+                req = replace(payload["req"], sp=group.world)
+                progress[0], progress[1] = 0, 0
+                out = rank_upscale(group.context(), req)
+                try:
+                    last_grids.setdefault(req.planner, set()).update(request_grids(req))
+                except Exception:  # noqa: BLE001 - warming is best-effort
+                    pass
+            elif name == "load":
+                from ..models.seedvr2 import weights
+
+                t0 = time.perf_counter()
+                weights.load(payload["spec"])
+                out = {"load_s": time.perf_counter() - t0}
+            elif name == "ping":
+                out = {"pid": os.getpid()}
+            else:
+                raise ValueError(f"unknown worker command {name!r}")
+            answers.send((cmd_id, True, out))
+        except BaseException as e:  # noqa: BLE001 - any failure goes back; the group is dropped
+            group.drop()
+            group.world = 1
+            tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            answers.send((cmd_id, False, f"{type(e).__name__}: {e}\n{tb}"))
+    group.drop()
+
+
+# -- server side ----------------------------------------------------------------
+
+
+class Worker:
+    """One persistent worker process (spawned; see the module doc)."""
+
+    def __init__(self, index: int, port: int, timeout_s: float = 60.0, threads: int = 1):
+        ctx = mp.get_context("spawn")
+        self.index = index
+        self.tasks = ctx.Queue()
+        reader, writer = ctx.Pipe(duplex=False)
+        self.answers = reader
+        self.progress = ctx.Array("l", 2, lock=False)
+        self.proc = ctx.Process(target=_worker_main, name=f"ditsp-serve-worker-{index}", daemon=True,
+                                args=(index, port, timeout_s, threads, self.tasks, writer, self.progress,
+                                      os.getpid()))
+        self.proc.start()
+        writer.close()
+        self.ready = False
+        self.has_weights = False
+        self._ids = 0
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def poll_ready(self, timeout: float = 0.0) -> bool:
+        """True once the process has started and answered its hello."""
+        if not self.ready and self.answers.poll(timeout):
+            cid, ok, _ = self.answers.recv()
+            self.ready = ok and cid == 0
+        return self.ready
+
+    def send(self, name: str, payload: dict | None = None) -> int:
+        self._ids += 1
+        self.tasks.put((self._ids, name, payload or {}))
+        return self._ids
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.tasks.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+            self.proc.join(timeout=3)
+        self.kill()
+
+
+def call(workers: list[Worker], name: str, payloads: list[dict], timeout_s: float,
+         on_wait=None) -> tuple[dict, dict, list[Worker]]:
+    """Send one command to each worker and collect the answers.
+
+    Returns ``(results, errors, dead)``: answers by worker index, error texts
+    by worker index, and the workers that died meanwhile. Once a worker dies or
+    fails, the others get a short grace to answer (a survivor blocked in a
+    collective with the dead one fails soon after). ``on_wait()`` is called
+    about twice a second while waiting (progress, cancellation).
+    """
+    ids = {w.index: w.send(name, p) for w, p in zip(workers, payloads)}
+    results: dict = {}
+    errors: dict = {}
+    dead: list[Worker] = []
+    deadline = time.monotonic() + timeout_s
+    grace = None
+    pending = {w.index: w for w in workers}
+    while pending:
+        now = time.monotonic()
+        limit = deadline if grace is None else min(deadline, grace)
+        if now >= limit:
+            break
+        waitables = {}
+        for w in pending.values():
+            waitables[w.answers] = w
+            waitables[w.proc.sentinel] = w
+        ready = multiprocessing.connection.wait(list(waitables), timeout=min(0.5, limit - now))
+        for w in {id(waitables[r]): waitables[r] for r in ready}.values():
+            got = None
+            try:
+                while w.answers.poll():
+                    cid, ok, payload = w.answers.recv()
+                    if cid == ids[w.index]:
+                        got = (ok, payload)
+            except (EOFError, OSError):
+                pass
+            if got is not None:
+                (results if got[0] else errors)[w.index] = got[1]
+                pending.pop(w.index)
+                if not got[0]:
+                    grace = grace or time.monotonic() + 10.0
+            elif not w.alive:
+                w.noticed_at = time.monotonic()
+                w.proc.join(timeout=1)
+                dead.append(w)
+                errors[w.index] = f"worker {w.index} (pid {w.pid}) died (exit code {w.proc.exitcode})"
+                pending.pop(w.index)
+                grace = grace or time.monotonic() + 10.0
+        if on_wait is not None:
+            on_wait()
+    for idx, w in pending.items():
+        errors[idx] = f"worker {idx} did not answer {name!r} in time"
+    return results, errors, dead
