@@ -32,6 +32,9 @@ class ParallelConfig:
       buffer) instead of one stacked Q/K/V all-to-all; same results, same bytes
       (see ditsp.attention.ulysses).
     - ``window_planner``: window planner for window-aligned SP.
+    - ``window_path``: the SP runtime of a window model: ``window`` (Plan A,
+      planner above), ``halo`` (Plan B), ``ulysses`` (baseline) or ``auto``
+      (the cheapest by :mod:`ditsp.sp.choice`'s cost model, agreed by every rank).
     """
 
     ulysses_degree: int = 1
@@ -40,6 +43,7 @@ class ParallelConfig:
     advanced_uaa: bool = False
     ulysses_a2a_permute: bool = False
     window_planner: str = "lpt"
+    window_path: str = "window"
 
     def __post_init__(self):
         for name in ("ulysses_degree", "ring_degree"):

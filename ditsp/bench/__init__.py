@@ -7,7 +7,7 @@ import argparse
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``bench`` command group to the top-level subparsers ``sub``."""
-    from . import attention, forward, invariance, planners
+    from . import attention, crossover, forward, invariance, link, planners
 
     p = sub.add_parser("bench", help="benchmark SP paths side by side on local ranks")
     bsub = p.add_subparsers(dest="bench", required=True)
@@ -15,4 +15,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     forward.add_parser(bsub)
     planners.add_parser(bsub)
     invariance.add_parser(bsub)
+    crossover.add_parser(bsub)
+    link.add_parser(bsub)
     return p

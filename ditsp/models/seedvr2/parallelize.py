@@ -9,7 +9,10 @@ model's forward takes:
 - ``path="window"`` (default): window-aligned SP, planner from the config;
 - ``path="ulysses"``: the Ulysses baseline (contiguous token shards, heads
   moved around window attention), for comparison;
-- ``path="halo"``: halo-slab Plan B (fixed slabs, halo Q/K/V lent to attention).
+- ``path="halo"``: halo-slab Plan B (fixed slabs, halo Q/K/V lent to attention);
+- ``path="auto"``: the cheapest of Plan A (LPT, locality), Plan B and Ulysses by
+  :func:`ditsp.sp.choice.choose`, the same on every rank; its report names the
+  choice and the runner-up. ``path=None`` takes ``parallel_config.window_path``.
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ from ...dist.comm import Comm
 from ...sp import SPRuntime, UlyssesWindowRuntime, WindowRuntime
 from .nadit.config import NaDiTConfig
 
-PATHS = ("window", "ulysses", "halo")
+PATHS = ("window", "ulysses", "halo", "auto")
 
 
 def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: Sequence[int], group=None,
-                planner: str | None = None, path: str = "window") -> SPRuntime:
+                planner: str | None = None, path: str | None = "window") -> SPRuntime:
     """The SP runtime of one request of model ``cfg`` on SP group ``group`` (None: one rank).
 
     ``group``'s size must equal the configured SP degree. Text sums are
@@ -42,6 +45,9 @@ def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: 
         raise ParallelConfigError(
             f"window-aligned SP degree {pc.sp_degree} needs an SP group of {pc.sp_degree} ranks, got {world}")
     comm = Comm.of(group)
+    path = path or pc.window_path
+    if path == "auto":
+        return _auto(cfg, grid, comm)
     if path == "window":
         return WindowRuntime(grid, cfg.window_methods, comm, planner or pc.window_planner, cfg.num_windows,
                              torch.float64)
@@ -52,3 +58,24 @@ def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: 
 
         return HaloSlabRuntime(grid, cfg.window_methods, comm, cfg.num_windows, torch.float64)
     raise ValueError(f"unknown SP path {path!r}; choose from {', '.join(PATHS)}")
+
+
+def _auto(cfg: NaDiTConfig, grid: Sequence[int], comm: Comm) -> SPRuntime:
+    """The cost model's cheapest path, checked to be the same on every rank, then built."""
+    from ...dist.agree import agree
+    from ...sp.choice import ChosenRuntime, Link, choose, split_path
+
+    link = Link.load()
+    choice = choose(cfg, grid, comm.world_size, link)
+    agree(comm, "the auto SP path (choice, runner-up, link)",
+          {"choice": [c.path for c in choice.costs[:2]], "link": link.as_dict()})
+    base, planner = split_path(choice.best.path)
+    if base == "window":
+        rt = WindowRuntime(grid, cfg.window_methods, comm, planner, cfg.num_windows, torch.float64)
+    elif base == "ulysses":
+        rt = UlyssesWindowRuntime(grid, cfg.window_methods, cfg.heads, comm, cfg.num_windows, torch.float64)
+    else:
+        from ...sp.halo_slab import HaloSlabRuntime
+
+        rt = HaloSlabRuntime(grid, cfg.window_methods, comm, cfg.num_windows, torch.float64)
+    return ChosenRuntime(rt, choice)
