@@ -79,3 +79,72 @@ def test_block_backward_matches_autograd(monkeypatch, score_elems):
     torch.testing.assert_close(a[0] + b[0], want[0].float(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat([a[1], b[1]], 2), want[1].float(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat([a[2], b[2]], 2), want[2].float(), rtol=1e-5, atol=1e-5)
+
+
+# -- the fused-kernel table (ditsp/attention/kernels.py) -----------------------------------------
+
+from ditsp.attention import kernels  # noqa: E402
+
+
+def test_table_choices_without_running_a_kernel():
+    pick = lambda dev, dt, d: kernels.choose(dev, dt, d, probe=False)  # noqa: E731
+    assert pick("cpu", torch.float32, 64) == kernels.Choice("cpu_flash")
+    assert pick("cpu", torch.bfloat16, 7).name == "cpu_flash"
+    assert pick("cuda", torch.bfloat16, 128).name == "cuda_flash"
+    assert pick("cuda", torch.float32, 64).name == "cuda_efficient"
+    c = pick("cuda", torch.float64, 64)  # no fused CUDA kernel takes fp64
+    assert c.name == "reference" and "cuda_flash does not take float64" in c.reason
+    c = pick("cuda", torch.bfloat16, 12)  # head dim not a multiple of 8
+    assert c.name == "reference" and "head dim 12" in c.reason
+    c = pick("mps", torch.float32, 64)
+    assert c.name == "reference" and "no fused kernel for float32 on mps" in c.reason
+    assert kernels.choose("cpu", torch.float32, 64, "reference") == kernels.Choice("reference", "requested")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        kernels.choose("cpu", torch.float32, 64, "triton")
+
+
+def test_env_switch_forces_the_reference(monkeypatch):
+    from ditsp.attention import Ulysses
+
+    monkeypatch.setenv(kernels.ENV, "reference")
+    attn = Ulysses(None)
+    q = torch.randn(1, 6, 2, 8)
+    attn(q, q, q)
+    assert attn.backend == "reference" and attn.backend_reason == "requested"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("heads,kv_heads,sq,sk", [(4, 2, 7, 9), (3, 3, 5, 1), (2, 1, 1, 6)])
+def test_cpu_kernel_blocks_match_the_reference(dtype, heads, kv_heads, sq, sk):
+    """Two K/V halves through the fused kernel merge to the reference; their backward (final LSE) sums up."""
+    torch.manual_seed(heads * 10 + sq)
+    q = torch.randn(2, heads, sq, 8, dtype=dtype)
+    k = torch.randn(2, kv_heads, sk + 1, 8, dtype=dtype)
+    v = torch.randn(2, kv_heads, sk + 1, 8, dtype=dtype)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    ref_o, ref_l = attn_fwd(q, k, v, 0.3)
+    cut = (sk + 1) // 2
+    a, b = (kernels.block_fwd("cpu_flash", q, k[:, :, s], v[:, :, s], 0.3) for s in (slice(0, cut), slice(cut, None)))
+    o, l = merge(*a, *b)
+    torch.testing.assert_close(o.float(), ref_o, rtol=tol, atol=tol)
+    torch.testing.assert_close(l.float(), ref_l, rtol=tol, atol=tol)
+    g = torch.randn(q.shape, dtype=dtype)
+    out = ref_o.to(dtype)
+    want = kernels.block_bwd("reference", q, k, v, out, ref_l, g, 0.3)
+    ga = kernels.block_bwd("cpu_flash", q, k[:, :, :cut], v[:, :, :cut], out, ref_l, g, 0.3)
+    gb = kernels.block_bwd("cpu_flash", q, k[:, :, cut:], v[:, :, cut:], out, ref_l, g, 0.3)
+    torch.testing.assert_close((ga[0].float() + gb[0].float()), want[0], rtol=tol, atol=tol)
+    for i in (1, 2):
+        torch.testing.assert_close(torch.cat([ga[i], gb[i]], 2).float(), want[i], rtol=tol, atol=tol)
+
+
+def test_empty_blocks_and_zero_heads_need_no_kernel():
+    # The CPU kernel dies (SIGFPE) on zero-length inputs; block calls never hand it one.
+    for q, k in [(torch.randn(1, 2, 0, 8), torch.randn(1, 2, 5, 8)), (torch.randn(1, 2, 4, 8), torch.randn(1, 2, 0, 8)),
+                 (torch.randn(1, 0, 4, 8), torch.randn(1, 0, 5, 8))]:
+        o, lse = kernels.block_fwd("cpu_flash", q, k, k, 0.5)
+        assert o.shape == q.shape and not o.abs().sum() and lse.shape == q.shape[:3]
+        dq, dk, dv = kernels.block_bwd("cpu_flash", q, k, k, o, lse, torch.ones_like(o), 0.5)
+        assert dq.shape == q.shape and dk.shape == k.shape and not dq.abs().sum()
+    with pytest.raises(ValueError, match="do not group"):
+        kernels.block_fwd("cpu_flash", torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), 0.5)

@@ -23,23 +23,23 @@ def make_inputs(B, L, H, Hk, D, T, dtype, seed=0):
     return video, text, r(B, L, H, D), r(B, T, H, D)
 
 
-def build(ctx, strategy, U, R):
+def build(ctx, strategy, U, R, backend=None):
     if strategy == "ulysses":
-        return Ulysses(ctx.group)
+        return Ulysses(ctx.group, backend=backend)
     if strategy == "ulysses-permute":
-        return Ulysses(ctx.group, stacked=False)
+        return Ulysses(ctx.group, stacked=False, backend=backend)
     if strategy == "ring":
-        return Ring(ctx.group)
+        return Ring(ctx.group, backend=backend)
     if strategy == "allgather":
-        return AllGatherKV(ctx.group)
+        return AllGatherKV(ctx.group, backend=backend)
     cfg = ParallelConfig(ulysses_degree=U, ring_degree=R, use_allgather=strategy == "usp-allgather", advanced_uaa=True)
-    return SPAttention.from_config(cfg, build_sp_groups(cfg, ctx.group))
+    return SPAttention.from_config(cfg, build_sp_groups(cfg, ctx.group), backend=backend)
 
 
-def rank_run(ctx, strategy, U, R, shape, joint, dtype, lens=None):
+def rank_run(ctx, strategy, U, R, shape, joint, dtype, lens=None, backend=None):
     """This rank's output and input gradients for its joined [text; video shard] tokens."""
     B, L, H, Hk, D, T = shape
-    attn = build(ctx, strategy, U, R)
+    attn = build(ctx, strategy, U, R, backend)
     (vq, vk, vv), (tq, tk, tv), gv, gt = make_inputs(B, L, H, Hk, D, T, dtype)
     given, lens = lens, lens or even_splits(L, ctx.world_size)
     o = offsets(lens)
@@ -50,7 +50,8 @@ def rank_run(ctx, strategy, U, R, shape, joint, dtype, lens=None):
     # Sum convention: the replicated text output's cotangent is split over the ranks.
     g = join((gt.float() / ctx.world_size).to(gt.dtype), gv[:, lo:hi])
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)
-    return {"out": out.detach(), "grads": (dq, dk, dv), "stats": attn.stats.as_dict()}
+    return {"out": out.detach(), "grads": (dq, dk, dv), "stats": attn.stats.as_dict(),
+            "backend": attn.backend, "reason": attn.backend_reason}
 
 
 def reference(shape, joint, dtype, precise=False):
@@ -89,9 +90,11 @@ def rel_err(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
 
 
-def check(clusters, strategy, U, R, shape, joint="front", dtype="fp32", lens=None):
+def check(clusters, strategy, U, R, shape, joint="front", dtype="fp32", lens=None, backend=None):
     P = U * R
-    results = clusters(P).run(rank_run, strategy, U, R, shape, joint, dtype, lens)
+    results = clusters(P).run(rank_run, strategy, U, R, shape, joint, dtype, lens, backend)
+    # The fused CPU kernel unless the reference path was asked for; the same on every rank.
+    assert {r["backend"] for r in results} == {"reference" if backend == "reference" else "cpu_flash"}
     lens = lens or even_splits(shape[1], P)
     out, grads = assemble(results, shape, joint, lens)
     ref_out, ref_grads = reference(shape, joint, dtype)
@@ -204,3 +207,29 @@ def rank_strict(ctx):
 def test_strict_mode_rejects_uneven_heads_with_choices(clusters):
     msgs = clusters(2).run(rank_strict)
     assert all(m and "valid degrees: [1, 5]" in m and "advanced_uaa" in m for m in msgs)
+
+
+FALLBACK = [("ulysses", 2, 1), ("ring", 1, 3), ("allgather", 1, 2), ("usp-ring", 2, 2), ("usp-allgather", 2, 2)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("strategy,U,R", FALLBACK, ids=[f"{s}-{u}x{r}" for s, u, r in FALLBACK])
+def test_reference_fallback_matches_sdpa(clusters, strategy, U, R, dtype):
+    """The pure-torch path (forced) stays exact: every strategy, GQA, joint text, uneven lengths."""
+    res = check(clusters, strategy, U, R, (1, 23, 4, 2, 16, 5), dtype=dtype, backend="reference")
+    assert all(r["reason"] == "requested" for r in res)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy,U,R", [("ring", 1, 2), ("ulysses", 2, 1)])
+def test_kernel_that_does_not_take_the_call_falls_back_and_says_so(clusters, strategy, U, R):
+    # cuda_flash asked for on CPU tensors: no kernel takes the call, the reference path runs it.
+    shape = (1, 16, 4, 2, 8, 3)
+    results = clusters(U * R).run(rank_run, strategy, U, R, shape, "front", "fp32", None, "cuda_flash")
+    assert all(r["backend"] == "reference" and "cuda_flash needs cuda" in r["reason"] for r in results)
+    out, grads = assemble(results, shape, "front", even_splits(16, U * R))
+    ref_out, ref_grads = reference(shape, "front", "fp32")
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g, rg, rtol=1e-5, atol=1e-5)

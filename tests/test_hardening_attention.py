@@ -38,13 +38,14 @@ def rank_mismatch(ctx, what):
         heads = 2 if what == "heads" else heads
         dim = 16 if what == "head_dim" else dim
         dtype = torch.bfloat16 if what == "dtype" else dtype
+    backend = "reference" if what == "backend" and ctx.rank == 1 else None
     lens = even_splits(12, ctx.world_size)
     q = torch.randn(1, lens[ctx.rank], heads, dim, dtype=dtype)
     seq_lens = None
     if what == "seq_lens":  # every rank says [6, 6], but rank 1 holds 5 tokens
         seq_lens = [6, 6]
         q = torch.randn(1, 5 if ctx.rank == 1 else 6, heads, dim)
-    attn = Ulysses(ctx.group)
+    attn = Ulysses(ctx.group, backend=backend)
     try:
         attn(q, q, q, seq_lens=seq_lens)
     except (DisagreementError, ValueError) as e:
@@ -53,7 +54,8 @@ def rank_mismatch(ctx, what):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("what,field", [("heads", "heads"), ("head_dim", "head_dim"), ("dtype", "dtype")])
+@pytest.mark.parametrize("what,field", [("heads", "heads"), ("head_dim", "head_dim"), ("dtype", "dtype"),
+                                        ("backend", "backend")])
 def test_disagreement_raises_on_every_rank(clusters, what, field):
     res = clusters(2).run(rank_mismatch, what, timeout_s=30)
     for kind, msg in res:

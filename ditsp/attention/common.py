@@ -3,11 +3,14 @@
 Layouts: strategies take and return ``[B, L, H, D]`` (sequence-major, as a
 DiT block holds its tokens); compute happens in ``[B, H, S, D]``.
 
-Block attention computes in fp32 and returns a *real* log-sum-exp, so
-partial results over K/V blocks (ring steps, text block) merge exactly. The
-backward is the flash-attention one: with the final output and LSE saved,
-every K/V block's gradients are computed independently, which is what lets
-ring backward pass dK/dV around instead of rebuilding the full matrix.
+Block attention returns a *real* log-sum-exp, so partial results over K/V
+blocks (ring steps, text block) merge exactly (in fp32). The backward is the
+flash-attention one: with the final output and LSE saved, every K/V block's
+gradients are computed independently, which is what lets ring backward pass
+dK/dV around instead of rebuilding the full matrix. Block calls go through
+the fused kernels of :mod:`ditsp.attention.kernels`; :func:`attn_fwd` and
+:func:`attn_bwd` here are the pure-torch reference (fp32 score chunks) that
+the ``reference`` backend runs for whatever no kernel takes.
 
 Replicated tensors (joint text) follow the *sum convention*: a replicated
 output's true cotangent is the sum of the per-rank cotangents, and the true
@@ -23,6 +26,7 @@ from typing import Sequence
 import torch
 
 from ..dist.comm import Comm
+from .kernels import grouped, ungrouped
 
 # Bound on fp32 score elements materialised at once (query rows are chunked).
 SCORE_ELEMS = 1 << 22
@@ -63,15 +67,7 @@ def gather_lens(comm: Comm, n: int) -> list[int]:
 # -- block attention with LSE -------------------------------------------------
 
 
-def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[B, H, S, D] -> [B, Hkv, g*S, D]: GQA query heads grouped onto their K/V head, no K/V copy."""
-    b, h, s, d = x.shape
-    return x.reshape(b, kv_heads, (h // kv_heads) * s, d)
-
-
-def _ungrouped(x: torch.Tensor, heads: int) -> torch.Tensor:
-    b, hk, gs = x.shape[:3]
-    return x.reshape(b, heads, gs * hk // heads, *x.shape[3:])
+_grouped, _ungrouped = grouped, ungrouped  # GQA query heads as rows of their K/V head, no K/V copy
 
 
 def _chunks(rows: int, cols: int, heads: int):
@@ -80,7 +76,7 @@ def _chunks(rows: int, cols: int, heads: int):
 
 
 def attn_fwd(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q`` [B,H,Sq,D] on one K/V block [B,Hkv,Sk,D] (H % Hkv == 0, contiguous groups).
+    """Reference attention of ``q`` [B,H,Sq,D] on one K/V block [B,Hkv,Sk,D] (H % Hkv == 0, contiguous groups).
 
     Returns ``(out, lse)`` in fp32: out [B,H,Sq,Dv], lse [B,H,Sq] = logsumexp of the scaled scores.
     """
@@ -107,7 +103,7 @@ def attn_fwd(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def attn_bwd(q, k, v, lse, delta, dout, scale: float):
-    """Gradients of one K/V block given the *final* ``lse`` and ``delta = rowsum(dout * out)``.
+    """Reference gradients of one K/V block given the *final* ``lse`` and ``delta = rowsum(dout * out)``.
 
     Returns fp32 ``(dq, dk, dv)``; dk/dv sum over the query heads of each group.
     """

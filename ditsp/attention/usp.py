@@ -20,7 +20,11 @@ all-gather of objects) and raises :class:`~ditsp.dist.agree.DisagreementError`
 on every rank when they differ, and ``ValueError`` on every rank when any
 rank's inputs are malformed; a mismatch would otherwise crash gloo or hang the
 peers. Signatures already agreed are cached, so steady-state calls add no
-traffic. Per-rank sequence lengths are not part of the signature (they may
+traffic. The signature also carries the attention backend each rank chose
+(:mod:`ditsp.attention.kernels`: a fused kernel returning LSE, or the
+pure-torch reference; ``backend=`` or ``DITSP_ATTENTION_BACKEND`` may request
+one), so all ranks run the same kernel; ``SPAttention.backend`` names it and
+``backend_reason`` says why a call fell back. Per-rank sequence lengths are not part of the signature (they may
 legitimately differ); they are checked against ``seq_lens`` locally.
 """
 
@@ -35,8 +39,9 @@ from ..config import ParallelConfig
 from ..dist.groups import SPGroups
 from ..dist.agree import DisagreementError
 from ..dist.comm import Comm, CommStats
-from .allgather import allgather_attention
+from .allgather import allgather_attention, joined
 from .common import default_scale, even_splits, gather_lens, gather_rows, ranges
+from .kernels import NAMES, Choice, choose, local_attention, requested_default
 from .ring import ring_attention
 from .ulysses import head_plan, to_heads, to_seq
 
@@ -72,7 +77,7 @@ def _local_problem(q, k, v, text_len: int, joint: str, seq_lens, sp: Comm) -> st
     return None
 
 
-def _signature(attn: "SPAttention", q, k, v, text_len, joint, seq_lens, scale) -> dict:
+def _signature(attn: "SPAttention", q, k, v, text_len, joint, seq_lens, scale, backend: str) -> dict:
     """What every SP rank must pass alike (local lengths left out: shards may be uneven)."""
     four = all(x.dim() == 4 for x in (q, k, v))
     return {
@@ -85,7 +90,7 @@ def _signature(attn: "SPAttention", q, k, v, text_len, joint, seq_lens, scale) -
         "seq_lens": None if seq_lens is None else [int(n) for n in seq_lens],
         "scale": None if scale is None else float(scale),
         "mesh": [attn.u.world_size, attn.r.world_size], "outer": attn.outer, "stacked": attn.stacked,
-        "strict": attn.strict,
+        "strict": attn.strict, "backend": backend,
         # Last: the q, k, v shapes without the length dim (catches what the named fields do not).
         "shapes": [[int(n) for i, n in enumerate(x.shape) if i != 1] + [str(x.dtype)] for x in (q, k, v)],
     }
@@ -102,7 +107,7 @@ class SPAttention:
     """Global attention over a sequence sharded on ``U x R`` ranks; takes and returns ``[B, L, H, D]``."""
 
     def __init__(self, ulysses_group=None, ring_group=None, sp_group=None, outer: str = "ring",
-                 stacked: bool = True, strict: bool = False, name: str = "usp"):
+                 stacked: bool = True, strict: bool = False, name: str = "usp", backend: str | None = None):
         if outer not in ("ring", "allgather"):
             raise ValueError(f"outer must be 'ring' or 'allgather', got {outer!r}")
         self.stats = CommStats()
@@ -111,22 +116,30 @@ class SPAttention:
         if self.sp.world_size != self.u.world_size * self.r.world_size:
             raise ValueError(f"SP group of {self.sp.world_size} ranks is not ulysses {self.u.world_size} x ring {self.r.world_size}")
         self.outer, self.stacked, self.strict, self.name = outer, stacked, strict, name
+        self.requested = backend or requested_default()
+        if self.requested not in NAMES + ("auto",):
+            raise ValueError(f"unknown attention backend {self.requested!r}; choose from auto, {', '.join(NAMES)}")
+        self.backend: str | None = None  # the last call's backend (see ditsp.attention.kernels)
+        self.backend_reason: str | None = None  # why it fell back to "reference" (None: a fused kernel)
         self._agreed: set[str] = set()
 
     def agree(self, q, k, v, text_len: int = 0, joint: str = "front",
-              seq_lens: Sequence[int] | None = None, scale: float | None = None) -> None:
+              seq_lens: Sequence[int] | None = None, scale: float | None = None) -> Choice:
         """Make the SP ranks agree on this call's signature (once per signature; see the module doc).
 
-        Raises :class:`DisagreementError` (signatures differ) or ``ValueError`` (some rank's
+        The signature includes the attention backend this rank would choose, so every rank runs the
+        same one (returned). Raises :class:`DisagreementError` (signatures differ) or ``ValueError`` (some rank's
         inputs are malformed) on every rank alike.
         """
-        sig = _signature(self, q, k, v, text_len, joint, seq_lens, scale)
+        choice = choose(q.device.type, q.dtype, int(q.shape[-1]) if q.dim() else 0, self.requested)
+        self.backend, self.backend_reason = choice.name, choice.reason
+        sig = _signature(self, q, k, v, text_len, joint, seq_lens, scale, choice.name)
         problem = _local_problem(q, k, v, int(text_len), joint, seq_lens, self.sp)
         key = json.dumps(sig, sort_keys=True, default=str)
         if key in self._agreed:
             if problem:
                 raise ValueError(f"{self.name} attention on rank {self.sp.rank}: {problem}")
-            return
+            return choice
         everyone = self.sp.all_gather_object((key, sig, problem))
         if len({kk for kk, _, _ in everyone}) > 1:
             sigs = [sg for _, sg, _ in everyone]
@@ -141,14 +154,15 @@ class SPAttention:
         if len(self._agreed) >= _AGREED_MAX:
             self._agreed.clear()
         self._agreed.add(key)
+        return choice
 
     @classmethod
-    def from_config(cls, config: ParallelConfig, groups: SPGroups) -> "SPAttention":
+    def from_config(cls, config: ParallelConfig, groups: SPGroups, backend: str | None = None) -> "SPAttention":
         u, r = config.ulysses_degree, config.ring_degree
         outer = "allgather" if config.use_allgather else "ring"
         name = "ulysses" if r == 1 else (outer if u == 1 else f"usp-{outer}")
         return cls(groups.ulysses, groups.ring, groups.sp, outer, not config.ulysses_a2a_permute,
-                   not config.advanced_uaa, name)
+                   not config.advanced_uaa, name, backend)
 
     def __call__(self, q, k, v, text_len: int = 0, joint: str = "front",
                  seq_lens: Sequence[int] | None = None, scale: float | None = None) -> torch.Tensor:
@@ -156,7 +170,7 @@ class SPAttention:
 
         ``seq_lens``: every SP rank's video length; gathered (one tiny all-gather) when omitted.
         """
-        self.agree(q, k, v, text_len, joint, seq_lens, scale)
+        backend = self.agree(q, k, v, text_len, joint, seq_lens, scale).name
         T, U, R = int(text_len), self.u.world_size, self.r.world_size
         heads, kv_heads = q.shape[2], k.shape[2]
         if self.strict:  # the config's own check and message
@@ -188,8 +202,11 @@ class SPAttention:
         t_rows = even_splits(T, R)
         tlo, thi = ranges(t_rows)[j]
         qcat = torch.cat([tq[:, :, tlo:thi], hq], 2)
-        attend = ring_attention if self.outer == "ring" else allgather_attention
-        o = attend(self.r, qcat, hk, hv, r_lens, scale, tk if T else None, tv if T else None)
+        if R == 1:  # plain Ulysses: one fused call over [text; video] keys, no LSE needed
+            o = local_attention(backend, qcat, joined(tk, hk), joined(tv, hv), scale)
+        else:
+            attend = ring_attention if self.outer == "ring" else allgather_attention
+            o = attend(self.r, qcat, hk, hv, r_lens, scale, tk if T else None, tv if T else None, backend)
         ot, ov = o[:, :, : thi - tlo], o[:, :, thi - tlo :]
 
         # Back: video to sequence shards, text gathered to every rank.
@@ -207,17 +224,17 @@ class SPAttention:
         return torch.cat([ot, ov] if joint == "front" else [ov, ot], 1)
 
 
-def Ulysses(group, stacked: bool = True, strict: bool = False) -> SPAttention:
-    return SPAttention(group, None, group, "ring", stacked, strict, "ulysses")
+def Ulysses(group, stacked: bool = True, strict: bool = False, backend: str | None = None) -> SPAttention:
+    return SPAttention(group, None, group, "ring", stacked, strict, "ulysses", backend)
 
 
-def Ring(group) -> SPAttention:
-    return SPAttention(None, group, group, "ring", name="ring")
+def Ring(group, backend: str | None = None) -> SPAttention:
+    return SPAttention(None, group, group, "ring", name="ring", backend=backend)
 
 
-def AllGatherKV(group) -> SPAttention:
-    return SPAttention(None, group, group, "allgather", name="allgather")
+def AllGatherKV(group, backend: str | None = None) -> SPAttention:
+    return SPAttention(None, group, group, "allgather", name="allgather", backend=backend)
 
 
-def USP(config: ParallelConfig, groups: SPGroups) -> SPAttention:
-    return SPAttention.from_config(config, groups)
+def USP(config: ParallelConfig, groups: SPGroups, backend: str | None = None) -> SPAttention:
+    return SPAttention.from_config(config, groups, backend)

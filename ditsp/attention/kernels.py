@@ -1,0 +1,261 @@
+"""Fused attention kernels that return the log-sum-exp: the backend table of the global-attention strategies.
+
+A *block call* is attention of ``q`` [B, H, Sq, D] on one K/V block ``k``/``v``
+[B, Hkv, Sk, D] (``H % Hkv == 0``, query head ``h`` uses K/V head
+``h // (H / Hkv)``), non-causal, returning ``(out, lse)`` with ``lse``
+[B, H, Sq] the real log-sum-exp of the scaled scores. Its backward takes the
+*final* output and LSE of the whole row (all blocks merged), which is what
+lets a ring compute every K/V block's gradients independently.
+
+GQA needs no K/V copy on any backend: the ``g = H / Hkv`` query heads of one
+K/V head are viewed as ``g * Sq`` query rows of that head (``[B, Hkv, g*Sq, D]``),
+which is exact for non-causal attention; dK/dV come out summed over the group.
+
+Backends (:data:`TABLE`, tried in order; the first that takes the call's
+device, dtype and head dim wins):
+
+===============  =========================================================  ===========================
+name             kernel                                                     takes
+===============  =========================================================  ===========================
+cpu_flash        ``aten._scaled_dot_product_flash_attention_for_cpu`` and   CPU; fp16, bf16, fp32, fp64;
+                 its ``_backward`` (the kernel CPU SDPA uses)               any head dim
+cuda_flash       ``aten._scaled_dot_product_flash_attention`` (+ backward)  CUDA; fp16, bf16; head dim
+                                                                            <= 256, a multiple of 8
+cuda_efficient   ``aten._scaled_dot_product_efficient_attention``           CUDA; fp16, bf16, fp32;
+                 (+ backward)                                               head dim a multiple of 8
+reference        pure torch, fp32 score chunks (``common.attn_fwd/bwd``)   everything (the fallback)
+===============  =========================================================  ===========================
+
+The CUDA rows are thin, guarded wrappers that have NOT been run: this
+project is developed and tested on CPU only. A kernel is also probed once per
+(device, dtype, head dim) with a tiny forward and backward; if it raises, the
+call falls back to ``reference`` and :func:`choose` says why.
+
+Choosing: :func:`choose` returns a :class:`Choice` (name and, on a fallback,
+the reason). ``requested`` (``SPAttention(backend=...)`` or the environment
+variable ``DITSP_ATTENTION_BACKEND``) may name a backend; ``"reference"``
+forces the pure-torch path. The SP strategies put the choice into the call
+signature their ranks agree on, so every rank runs the same backend.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+ENV = "DITSP_ATTENTION_BACKEND"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The backend of one call signature; ``reason`` says why a fallback was taken (None otherwise)."""
+
+    name: str
+    reason: str | None = None
+
+
+# -- GQA grouping: query heads of one K/V head become rows of that head ------------------------
+
+
+def grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, S, ...] -> [B, Hkv, g*S, ...] (a view when ``x`` is contiguous)."""
+    b, h, s = x.shape[:3]
+    return x.reshape(b, kv_heads, (h // kv_heads) * s, *x.shape[3:])
+
+
+def ungrouped(x: torch.Tensor, heads: int) -> torch.Tensor:
+    b, hk, gs = x.shape[:3]
+    return x.reshape(b, heads, gs * hk // heads, *x.shape[3:])
+
+
+# -- the kernels ---------------------------------------------------------------------------------
+
+
+def _cpu_flash_fwd(q, k, v, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+
+
+def _cpu_flash_bwd(q, k, v, out, lse, dout, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, False, scale=scale)
+
+
+def _cuda_flash_fwd(q, k, v, scale):  # not run here (no GPU in development)
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+    return r[0], r[1]
+
+
+def _cuda_flash_bwd(q, k, v, out, lse, dout, scale):  # not run here
+    sq, sk = q.shape[2], k.shape[2]
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, None, None, sq, sk, 0.0, False, zero, zero, scale=scale)
+
+
+def _cuda_efficient_fwd(q, k, v, scale):  # not run here
+    r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=scale)
+    return r[0], r[1][..., : q.shape[2]]  # the kernel pads LSE rows to a multiple of 32
+
+
+def _cuda_efficient_bwd(q, k, v, out, lse, dout, scale):  # not run here
+    sq = q.shape[2]
+    pad = (-sq) % 32
+    if pad:  # the backward reads LSE in the padded layout the forward wrote
+        lse = torch.nn.functional.pad(lse, (0, pad))
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)
+    g = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, lse.contiguous(), zero, zero, 0.0, [True, True, True, False], False, scale=scale)
+    return g[0], g[1], g[2]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    device: str
+    dtypes: tuple[torch.dtype, ...]
+    head_dim_ok: Callable[[int], bool]
+    fwd: Callable
+    bwd: Callable
+
+    def rejects(self, device: str, dtype: torch.dtype, head_dim: int) -> str | None:
+        """Why this kernel does not take the call (None when it does)."""
+        if device != self.device:
+            return f"{self.name} needs {self.device} tensors, got {device}"
+        if dtype not in self.dtypes:
+            return f"{self.name} does not take {str(dtype).replace('torch.', '')}"
+        if not self.head_dim_ok(head_dim):
+            return f"{self.name} does not take head dim {head_dim}"
+        return None
+
+
+_HALF = (torch.float16, torch.bfloat16)
+TABLE: tuple[Kernel, ...] = (
+    Kernel("cpu_flash", "cpu", _HALF + (torch.float32, torch.float64), lambda d: d >= 1,
+           _cpu_flash_fwd, _cpu_flash_bwd),
+    Kernel("cuda_flash", "cuda", _HALF, lambda d: d <= 256 and d % 8 == 0, _cuda_flash_fwd, _cuda_flash_bwd),
+    Kernel("cuda_efficient", "cuda", _HALF + (torch.float32,), lambda d: d % 8 == 0,
+           _cuda_efficient_fwd, _cuda_efficient_bwd),
+)
+KERNELS = {k.name: k for k in TABLE}
+NAMES = tuple(KERNELS) + ("reference",)
+
+_CHOICES: dict[tuple, Choice] = {}
+_PROBED: dict[tuple, str | None] = {}
+
+
+def _probe(kernel: Kernel, device: str, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Run the kernel once on a tiny block (forward and backward); the error it raised, or None."""
+    key = (kernel.name, device, dtype, head_dim)
+    if key not in _PROBED:
+        try:
+            x = torch.randn(1, 1, 3, head_dim, device=device).to(dtype)
+            out, lse = kernel.fwd(x, x, x, 0.5)
+            kernel.bwd(x, x, x, out, lse, torch.ones_like(out), 0.5)
+            _PROBED[key] = None
+        except Exception as e:  # noqa: BLE001 - any failure means: not this kernel
+            _PROBED[key] = f"{kernel.name} failed on this device: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return _PROBED[key]
+
+
+def requested_default() -> str:
+    return os.environ.get(ENV, "auto") or "auto"
+
+
+def choose(device: str, dtype: torch.dtype, head_dim: int, requested: str | None = None, probe: bool = True) -> Choice:
+    """The backend for calls on ``device`` (a type: "cpu", "cuda") with this dtype and head dim."""
+    requested = requested or requested_default()
+    if requested not in NAMES + ("auto",):
+        raise ValueError(f"unknown attention backend {requested!r}; choose from auto, {', '.join(NAMES)}")
+    key = (device, dtype, int(head_dim), requested, probe)
+    if key in _CHOICES:
+        return _CHOICES[key]
+    if requested == "reference":
+        choice = Choice("reference", "requested")
+    else:
+        kernels = TABLE if requested == "auto" else (KERNELS[requested],)
+        reasons = []
+        choice = None
+        for k in kernels:
+            why = k.rejects(device, dtype, head_dim) or (_probe(k, device, dtype, head_dim) if probe else None)
+            if why is None:
+                choice = Choice(k.name)
+                break
+            if requested != "auto" or k.device == device:
+                reasons.append(why)
+        if choice is None:
+            dt = str(dtype).replace("torch.", "")
+            choice = Choice("reference", "; ".join(reasons) or f"no fused kernel for {dt} on {device}")
+    _CHOICES[key] = choice
+    return choice
+
+
+# -- block calls ---------------------------------------------------------------------------------
+
+
+def block_fwd(backend: str, q, k, v, scale: float):
+    """``(out, lse)`` of one block. ``out`` is in q's dtype on a kernel, fp32 on ``reference``; lse >= fp32."""
+    from .common import attn_fwd
+
+    b, h, sq, _ = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    if (h != hk) if h == 0 or hk == 0 else h % hk:
+        raise ValueError(f"{h} query heads do not group onto {hk} K/V heads")
+    if h == 0 or sq == 0 or sk == 0:  # kernels crash on empty dims; these need no kernel
+        return (q.new_zeros((b, h, sq, v.shape[-1]), dtype=torch.float32),
+                q.new_full((b, h, sq), float("-inf") if sk == 0 else 0.0, dtype=torch.float32))
+    if backend == "reference":
+        return attn_fwd(q, k, v, scale)
+    out, lse = KERNELS[backend].fwd(grouped(q, hk), k, v, scale)
+    return ungrouped(out, h), ungrouped(lse, h)
+
+
+def block_bwd(backend: str, q, k, v, out, lse, dout, scale: float, delta=None):
+    """Gradients ``(dq, dk, dv)`` of one K/V block given the row's final ``out`` and ``lse``.
+
+    dK/dV sum over the query heads of each group. ``delta`` (rowsum(dout * out), fp32) is used by
+    ``reference`` only (computed when omitted); a kernel computes it from ``out``.
+    """
+    from .common import attn_bwd
+
+    h, hk, sq, sk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    if h == 0 or hk == 0 or sq == 0 or sk == 0:
+        return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+                torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                torch.zeros(v.shape, dtype=torch.float32, device=v.device))
+    if backend == "reference":
+        if delta is None:
+            delta = (dout.float() * out.float()).sum(-1)
+        return attn_bwd(q, k, v, lse, delta, dout, scale)
+    dt = q.dtype
+    out, dout = out.to(dt), dout.to(dt)
+    lse = lse.to(torch.float64 if dt == torch.float64 else torch.float32)
+    dq, dk, dv = KERNELS[backend].bwd(grouped(q.contiguous(), hk), k, v, grouped(out.contiguous(), hk),
+                                      grouped(lse.contiguous(), hk), grouped(dout.contiguous(), hk), scale)
+    return ungrouped(dq, h), dk, dv
+
+
+class LocalAttention(torch.autograd.Function):
+    """One block call with autograd: attention of ``q`` on all of ``k``/``v``; out in q's dtype."""
+
+    @staticmethod
+    def forward(ctx, backend, scale, q, k, v):
+        out, lse = block_fwd(backend, q, k, v, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (backend, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        backend, scale = ctx.args
+        dq, dk, dv = block_bwd(backend, q, k, v, out, lse, dout, scale)
+        return None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def local_attention(backend: str, q, k, v, scale: float):
+    """Attention of ``q`` [B,H,Sq,D] on ``k``/``v`` [B,Hkv,Sk,D] (compute layout), one fused call."""
+    return LocalAttention.apply(backend, scale, q, k, v)
