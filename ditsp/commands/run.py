@@ -34,8 +34,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help=".pth or .safetensors with the reference key names (else seeded weights)")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--planner", default="lpt", help="window planner")
-    p.add_argument("--path", default="window", choices=["window", "ulysses"],
-                   help="window-aligned SP, or the reference's Ulysses all-to-alls around window attention")
+    p.add_argument("--path", default="window", choices=["window", "ulysses", "halo", "auto"],
+                   help="Plan A (window), Ulysses baseline, halo-slab Plan B, or auto (cost model)")
     p.add_argument("--check", action="store_true", help="also run single-device and print the parity error")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--seed", type=int, default=0)
