@@ -15,6 +15,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     forward.add_parser(bsub)
     planners.add_parser(bsub)
     invariance.add_parser(bsub)
+    __import__("ditsp.bench.packed", fromlist=["add_parser"]).add_parser(bsub)
     crossover.add_parser(bsub)
     link.add_parser(bsub)
     return p

@@ -36,7 +36,7 @@ import torch
 from ...dist.agree import agree
 from ...dist.comm import Comm
 from .dispatch import Dispatch, dispatch
-from .docs import PackedDocs, agree_docs
+from .docs import PackedDocs
 from .kernel import block_bwd, block_fwd, block_visible, merge
 
 # (q local offset, q rows, q doc position, k offset in buffer, k rows, k doc position, causal)
@@ -82,7 +82,8 @@ class RingSchedule:
         return sum(int(p.rows.size) for (r, s), p in self.pairs.items() if r != s)
 
     def pairs_skipped(self) -> int:
-        return sum(p.empty for (r, s), p in self.pairs.items() if r != s)
+        """Ordered rank pairs that move no K/V at all (transfer and compute skipped)."""
+        return sum(p.rows.size == 0 for (r, s), p in self.pairs.items() if r != s)
 
 
 def _pair(disp: Dispatch, r: int, s: int, skip: bool) -> PairPlan:
@@ -254,9 +255,10 @@ def packed_ring_attention(comm: Comm, q, k, v, docs: PackedDocs, mode: str = "ar
     joint text K/V, replicated on every rank (sum convention for their
     gradients: all-reduce them with the parameters). Returns [s, H, Dv].
     """
-    agree_docs(comm, docs)
-    if comm.world_size > 1:
-        agree(comm, "the packed ring options (dispatch mode, skip, tolerance)", [mode, bool(skip), float(tolerance)])
+    if comm.world_size > 1:  # one small gather per call: documents and options together
+        agree(comm, "the packed ring documents (cu_seqlens, causal flags, text lengths) and options",
+              {"cu_seqlens": list(docs.cu_seqlens), "causal": list(docs.causal), "text": list(docs.text_lens),
+               "mode": mode, "skip": bool(skip), "tolerance": float(tolerance)})
     sched = ring_schedule(docs, comm.world_size, mode, skip, tolerance)
     n = sched.dispatch.rank_lens[comm.rank]
     if q.shape[0] != n or k.shape[0] != n:
