@@ -58,7 +58,12 @@ def head_plan(heads: int, kv_heads: int, degree: int) -> HeadPlan:
 
 def _exchange(comm: Comm, chunks: list[list[torch.Tensor]], shapes: list[list[tuple]], kind: str):
     """Send ``chunks[p]`` to peer p, receive tensors of ``shapes[r]`` from r; one flat all-to-all."""
-    flat = torch.cat([c.reshape(-1) for per in chunks for c in per])
+    parts = [c for per in chunks for c in per]
+    flat = parts[0].new_empty(sum(c.numel() for c in parts))
+    o = 0
+    for c in parts:  # packed straight into the send buffer: no per-chunk copies alive next to it
+        flat[o : o + c.numel()].view(c.shape).copy_(c)
+        o += c.numel()
     sizes = [[int(torch.Size(s).numel()) for s in per] for per in shapes]
     out = comm.all_to_all_single(flat, [sum(c.numel() for c in per) for per in chunks], [sum(s) for s in sizes], kind)
     pieces, o = [], 0
