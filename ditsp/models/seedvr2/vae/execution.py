@@ -12,8 +12,10 @@ can be computed exactly given
   stream to the next one, so a rank with few frames passes on what it got);
 - for each conv, the rows above and below its slab (zeros at the image border, else halo rows of
   the neighbouring slab, exchanged per conv through :mod:`ditsp.dist.halo`);
-- for each GroupNorm, the per-(frame, group) statistics of the whole frame (local mean/variance,
-  combined across slabs in float64 with one all-reduce of ``2 * G * T`` values per call);
+- for each GroupNorm, the per-(frame, group) statistics of the whole frame: every piece computes
+  per-(frame, group, row) moments (:func:`row_moments`), a height slab all-gathers them (one
+  collective of ``2 * G * T * rows`` float64 values per call), and the frame statistics are merged
+  from the whole frame's rows in row order (:func:`frame_stats`), the same arithmetic in every mode;
 - for the mid attention, the keys and values of the whole frame (all-gathered per call).
 
 The executor tracks where the piece is as the stages change its frame rate and row count
@@ -61,20 +63,88 @@ def conv_rows(layer, rows: list[tuple[int, int]], H: int):
     return out, H_out, halos
 
 
-def _frame_stats(xv: torch.Tensor):
-    """Mean and biased variance per (batch, group, frame) of xv (B, G, C/G, T, H, W), in float32.
+def row_moments(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (batch, group, frame, row) mean and M2 (sum of squared deviations) of x (B, C, T, h, W), in float64.
 
-    float32 input: ``var_mean`` (two-pass, no copy). 16-bit input: float32 sums of x and x^2
-    accumulated without an upcast copy of the tensor.
+    The result for one row depends only on that row's values, never on how many rows, frames or
+    ranks the piece has, so a height slab and the whole frame produce the same numbers for the
+    rows they share:
+
+    - each channel's row is reduced over its W columns in one last-dim reduction (float32/64
+      input: ``var_mean``, which accumulates Welford in float64; 16-bit input: float32 sums of
+      x and x^2, no upcast copy of the tensor);
+    - the channels of a group are then merged one by one in channel order (elementwise float64
+      ops on (B, G, T, h) tensors; Chan's rule for equal counts).
+
+    Row invariance holds as long as the last-dim reduction is computed per row, which the CPU
+    kernels do whenever a piece's (channels x frames x rows) is at least its width or the tensor
+    is below the parallel grain (always, in practice); a different thread count may change the
+    per-row order, so compare runs with the same thread count.
     """
-    dims = (2, 4, 5)
-    if xv.dtype == torch.float32:
-        var, mean = torch.var_mean(xv, dim=dims, correction=0)
-        return mean, var
-    n = xv.shape[2] * xv.shape[4] * xv.shape[5]
-    mean = xv.sum(dim=dims, dtype=torch.float32) / n
-    sq = torch.linalg.vector_norm(xv, 2, dim=dims, dtype=torch.float32) ** 2 / n
-    return mean, (sq - mean * mean).clamp_min(0)
+    b, c, t, h, w = x.shape
+    cg = c // groups
+    if not x.numel():
+        z = torch.zeros((b, groups, t, h), dtype=torch.float64, device=x.device)
+        return z, z.clone()
+    if x.dtype in (torch.float32, torch.float64):
+        var, mean = torch.var_mean(x, dim=-1, correction=0)
+        mean, m2 = mean.double(), var.double() * w
+    else:
+        s1 = x.sum(-1, dtype=torch.float32).double()
+        s2 = torch.linalg.vector_norm(x, 2, dim=-1, dtype=torch.float32).double().square()
+        mean = s1 / w
+        m2 = (s2 - s1 * mean).clamp_min(0)
+    mean, m2 = mean.view(b, groups, cg, t, h), m2.view(b, groups, cg, t, h)
+    gm = mean[:, :, 0].clone()
+    for j in range(1, cg):
+        gm += mean[:, :, j]
+    gm /= cg
+    g2 = m2[:, :, 0].clone()
+    for j in range(cg):
+        if j:
+            g2 += m2[:, :, j]
+        g2 += (mean[:, :, j] - gm).square_().mul_(w)
+    return gm, g2
+
+
+def frame_stats(row_mean: torch.Tensor, row_m2: torch.Tensor, per_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and biased variance per (batch, group, frame) from the per-row moments of the WHOLE frame.
+
+    ``row_mean``/``row_m2``: (B, G, T, H), every row of the frame in canonical order, each row
+    over ``per_row`` values. Every execution mode calls this on the identical tensor, so the
+    statistics are bitwise the same in every mode.
+    """
+    H = row_mean.shape[-1]
+    mean = row_mean.sum(-1) / H
+    m2 = row_m2.sum(-1) + (row_mean - mean.unsqueeze(-1)).square_().sum(-1) * per_row
+    return mean, m2 / (H * per_row)
+
+
+_LANES = 64  # a multiple of twice the widest SIMD vector of any CPU kernel (AVX-512 bf16: 2 x 32)
+
+
+def padded_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat buffer, view shaped like x) where the buffer's length makes every SiLU element SIMD.
+
+    PyTorch's CPU elementwise kernels run SIMD code over whole vectors and scalar code over the
+    tail of each thread's range, and the two SiLUs round differently (float32). A slab's tensor
+    and the whole frame's have different lengths, so the same pixel could take either path.
+    Padding the buffer so each thread's share (``ceil(n / threads)``, the split PyTorch's
+    ``parallel_for`` makes) is a multiple of ``_LANES`` puts every element on the SIMD path.
+    """
+    n = x.numel()
+    threads = max(1, torch.get_num_threads())
+    grain = 32768  # at::internal::GRAIN_SIZE
+    m = -(-max(n, 1) // _LANES) * _LANES
+    for _ in range(64):
+        nt = min(threads, -(-m // grain)) if m >= grain else 1
+        if m % (_LANES * nt) == 0:
+            break
+        m = -(-m // (_LANES * nt)) * (_LANES * nt)
+    buf = x.new_empty(m)
+    if m > n:
+        buf[n:].zero_()
+    return buf, buf[:n].view(x.shape)
 
 
 class Exec:
@@ -83,11 +153,16 @@ class Exec:
     comm: the SP group (needed for ``time_chain`` and height slabs).
     time_chain: past frames of each causal conv come from rank - 1 (temporal SP).
     carry: dict conv -> last ``k_t - 1`` frames of its padded input, kept between chunks.
+    image_fast_path: a one-frame piece at the clip start sums each conv's taps into a 2-D kernel
+    (an image). Only valid for bitwise parity when the whole clip is that frame: a rank of a time
+    split that holds just frame 0 must run the taps over the frame-0 copies as one device does.
     """
 
-    def __init__(self, comm: Comm | None = None, *, time_chain: bool = False, carry: dict | None = None):
+    def __init__(self, comm: Comm | None = None, *, time_chain: bool = False, carry: dict | None = None,
+                 image_fast_path: bool = True):
         self.comm = comm or Comm.single()
         self.time_chain = time_chain
+        self.image_fast_path = image_fast_path
         self.carry = carry
         self.t_start = 0
         self.rows: list[tuple[int, int]] | None = None
@@ -139,7 +214,7 @@ class Exec:
             if self.carry is not None:
                 self.carry[layer] = tail.contiguous().clone()
             n_out = _ceil_div(a + T, st) - _ceil_div(a, st)
-            if past is None and T == 1:
+            if past is None and T == 1 and self.image_fast_path:
                 # Clip start with one frame (an image): every tap sees frame 0, so the taps are
                 # summed into one 2-D kernel instead of materialising the frame copies.
                 weight = layer.weight.sum(2, keepdim=True)
@@ -192,51 +267,56 @@ class Exec:
 
     # -- GroupNorm per frame ---------------------------------------------------
 
-    def norm(self, layer, x: torch.Tensor) -> torch.Tensor:
+    def norm(self, layer, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+        """GroupNorm with per-frame statistics (per-row moments, gathered over slabs, merged in row
+        order), optionally followed by SiLU (applied tail-free, :func:`padded_like`)."""
         b, c, t, h, w = x.shape
         g = layer.num_groups
         cg = c // g
         x = x.contiguous()
-        xv = x.view(b, g, cg, t, h, w)
         if t == 0:
             return x.clone()
-        n_loc = cg * h * w
-        if n_loc:
-            mean, var = _frame_stats(xv)
-        if self.rows is not None:
-            if n_loc:
-                m, v = mean.double(), var.double()
-                sums = torch.stack([m * n_loc, (v + m * m) * n_loc])
-            else:
-                sums = torch.zeros((2, b, g, t), dtype=torch.float64, device=x.device)
-            self.comm.all_reduce(sums, kind="groupnorm_stats")
-            n_all = cg * self.H * w
-            mean = sums[0] / n_all
-            var = (sums[1] / n_all - mean * mean).clamp_min(0)
-            mean, var = mean.float(), var.float()
-        if not n_loc:
+        rm, r2 = row_moments(x, g)
+        if self.rows is not None and self.comm.world_size > 1:
+            counts = [max(0, b_ - a) for a, b_ in self.rows]
+            both = torch.stack([rm, r2]).movedim(-1, 0).contiguous()  # (h, 2, B, G, T)
+            parts = self.comm.all_gather_rows(both, counts, kind="groupnorm_stats")
+            both = torch.cat(parts, 0).movedim(0, -1)
+            rm, r2 = both[0], both[1]
+        if not h:
             return x.clone()
+        mean, var = frame_stats(rm.contiguous(), r2.contiguous(), cg * w)
+        mean, var = mean.float(), var.float()
         rstd = torch.rsqrt(var + layer.eps).view(b, g, 1, t, 1, 1)
         mean = mean.view(b, g, 1, t, 1, 1)
         gamma = layer.weight.float().view(1, g, cg, 1, 1, 1)
         beta = layer.bias.float().view(1, g, cg, 1, 1, 1)
         scale = rstd * gamma
         shift = beta - mean * scale
-        y = torch.addcmul(shift.to(x.dtype), xv, scale.to(x.dtype))
-        return y.view(b, c, t, h, w)
+        with torch.no_grad():  # inference only; out= refuses tensors that track gradients
+            buf, y = padded_like(x)
+            torch.addcmul(shift.to(x.dtype), x.view(b, g, cg, t, h, w), scale.to(x.dtype),
+                          out=y.view(b, g, cg, t, h, w))
+            if silu:
+                F.silu(buf, inplace=True)
+        return y
 
     # -- mid attention -----------------------------------------------------------
 
-    def frame_keys_values(self, k: torch.Tensor, v: torch.Tensor, width: int):
-        """Keys/values of this piece's tokens (B*T, rows*width, C) -> those of the whole frame."""
-        if self.rows is None:
-            return k, v
-        counts = [(b - a) * width for a, b in self.rows]
-        out = []
-        for t in (k, v):
-            parts = self.comm.all_gather_rows(t.transpose(0, 1).contiguous(), counts, kind="attention_kv")
-            out.append(torch.cat(parts, 0).transpose(0, 1))
-        return out[0], out[1]
+    def frame_tokens(self, tok: torch.Tensor, width: int) -> torch.Tensor:
+        """This piece's tokens (B, T, rows*width, C) -> those of the whole frame (one all-gather per call)."""
+        if self.rows is None or self.comm.world_size == 1:
+            return tok
+        counts = [max(0, b - a) * width for a, b in self.rows]
+        parts = self.comm.all_gather_rows(tok.movedim(2, 0).contiguous(), counts, kind="attention_tokens")
+        return torch.cat(parts, 0).movedim(0, 2).contiguous()
+
+    def own_tokens(self, out: torch.Tensor, width: int) -> torch.Tensor:
+        """Whole-frame tokens (B, H*width, C) -> this piece's rows."""
+        if self.rows is None or self.comm.world_size == 1:
+            return out
+        a, b = self.rows[self.comm.rank]
+        return out[:, a * width:max(a, b) * width]
 
     def upsampled(self, x: torch.Tensor, temporal: bool) -> torch.Tensor:
         """After depth-to-space: drop the duplicate of the clip's frame 0; move to the new stage."""

@@ -30,6 +30,25 @@ from torch import nn
 from .config import VaeConfig
 
 
+_MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.aten, "mkldnn_convolution")
+
+
+def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride=(1, 1, 1),
+           padding=(0, 0, 0)) -> torch.Tensor:
+    """``F.conv3d`` with one algorithm for every input shape, so a pixel's value does not depend on
+    how many rows or frames the piece around it has (what makes slabs bitwise equal to the frame).
+
+    On CPU, ``F.conv3d`` picks oneDNN or im2col + GEMM by the input's size (float32, batch 1:
+    oneDNN only above 20480 = C*T*H), and the two round differently; so CPU float32/bfloat16
+    convs call oneDNN directly, whatever the size. Elsewhere (CUDA) this is ``F.conv3d``, whose
+    algorithm choice may still depend on the shape.
+    """
+    if _MKLDNN and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.numel():
+        return torch.ops.aten.mkldnn_convolution(x.contiguous(), weight.contiguous(), bias, list(padding),
+                                                 list(stride), [1, 1, 1], 1)
+    return F.conv3d(x, weight, bias, stride=stride, padding=padding)
+
+
 class CausalConv3d(nn.Module):
     """A 3-D conv with causal time padding. ``pad`` is "same" (3x3, pad 1), "down" (bottom/right) or "none"."""
 
@@ -72,8 +91,8 @@ class CausalConv3d(nn.Module):
             pad = (0, top, left)
         else:
             x = F.pad(x, (left, right, top, bot))
-            pad = 0
-        return F.conv3d(x, weight.to(x.dtype), self.bias.to(x.dtype), stride=self.stride, padding=pad)
+            pad = (0, 0, 0)
+        return conv3d(x, weight.to(x.dtype), self.bias.to(x.dtype), stride=self.stride, padding=pad)
 
     def forward(self, x: torch.Tensor, ex) -> torch.Tensor:
         return ex.conv(self, x)
@@ -82,8 +101,9 @@ class CausalConv3d(nn.Module):
 class GroupNorm(nn.GroupNorm):
     """GroupNorm whose statistics are taken per frame; the executor may reduce them across slabs."""
 
-    def forward(self, x: torch.Tensor, ex) -> torch.Tensor:  # type: ignore[override]
-        return ex.norm(self, x)
+    def forward(self, x: torch.Tensor, ex, silu: bool = False) -> torch.Tensor:  # type: ignore[override]
+        """Normalised ``x``; ``silu`` applies the SiLU that follows every such norm but the attention's."""
+        return ex.norm(self, x, silu=silu)
 
 
 class ResnetBlock(nn.Module):
@@ -97,9 +117,9 @@ class ResnetBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ex) -> torch.Tensor:
         # Rebinding ``h`` step by step frees each intermediate as soon as the next one exists.
-        h = F.silu(self.norm1(x, ex), inplace=True)
+        h = self.norm1(x, ex, silu=True)
         h = self.conv1(h, ex)
-        h = F.silu(self.norm2(h, ex), inplace=True)
+        h = self.norm2(h, ex, silu=True)
         h = self.conv2(h, ex)
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x, ex)
@@ -137,7 +157,7 @@ class Upsample(nn.Module):
 
     def forward(self, x: torch.Tensor, ex) -> torch.Tensor:
         if x.numel():
-            x = F.conv3d(x, self.upscale_conv.weight.to(x.dtype), self.upscale_conv.bias.to(x.dtype))
+            x = conv3d(x, self.upscale_conv.weight.to(x.dtype), self.upscale_conv.bias.to(x.dtype))
         else:  # an empty piece (a rank without frames or rows) still walks every layer
             x = x.new_zeros((x.shape[0], self.upscale_conv.out_channels) + tuple(x.shape[2:]))
         x = depth_to_space(x, 2 if self.temporal else 1)
@@ -158,19 +178,22 @@ class MidAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ex) -> torch.Tensor:
         b, c, t, h, w = x.shape
-        tok = self.group_norm(x, ex).permute(0, 2, 3, 4, 1).reshape(b * t, h * w, c)
         dt = x.dtype
-        q = F.linear(tok, self.to_q.weight.to(dt), self.to_q.bias.to(dt))
-        k = F.linear(tok, self.to_k.weight.to(dt), self.to_k.bias.to(dt))
-        v = F.linear(tok, self.to_v.weight.to(dt), self.to_v.bias.to(dt))
+        # A height slab gathers the whole frame's normalised tokens and attends them all, then keeps
+        # its rows: every GEMM then has the one-device shape (one frame of H x W tokens), so the
+        # result is bitwise the one-device result (a GEMM's rounding depends on its row count).
+        tok = ex.frame_tokens(self.group_norm(x, ex).permute(0, 2, 3, 4, 1).reshape(b, t, h * w, c), w)
+        outs = []
+        for i in range(t):  # one frame at a time: the same GEMM shapes in every mode and chunking
+            f = tok[:, i].contiguous()
+            q = F.linear(f, self.to_q.weight.to(dt), self.to_q.bias.to(dt))
+            k = F.linear(f, self.to_k.weight.to(dt), self.to_k.bias.to(dt))
+            v = F.linear(f, self.to_v.weight.to(dt), self.to_v.bias.to(dt))
+            o = F.scaled_dot_product_attention(q, k, v) if f.shape[1] else q
+            del q, k, v
+            outs.append(ex.own_tokens(F.linear(o, self.to_out[0].weight.to(dt), self.to_out[0].bias.to(dt)), w))
         del tok
-        k, v = ex.frame_keys_values(k, v, w)
-        if q.numel() and k.numel():
-            o = F.scaled_dot_product_attention(q, k, v)
-        else:
-            o = q
-        del q, k, v
-        o = F.linear(o, self.to_out[0].weight.to(dt), self.to_out[0].bias.to(dt))
+        o = torch.stack(outs, 1) if outs else x.new_zeros((b, 0, h * w, c))
         return x + o.view(b, t, h, w, c).permute(0, 4, 1, 2, 3)
 
 

@@ -193,7 +193,7 @@ class ParallelVAE:
             tl = TimeLayout(t, n, self.cfg.temporal_factor)
             p, q = tl.latents[r]
             a, b = tl.frames(p, q)
-            m = self.vae.encoder(x[:, :, a:b], Exec(comm, time_chain=True).begin(a))
+            m = self.vae.encoder(x[:, :, a:b], Exec(comm, time_chain=True, image_fast_path=T == 1).begin(a))
             m = _gather(comm, m, 2, [q_ - p_ for p_, q_ in tl.latents], "output_gather")
         elif mode in ("height", "height+chunks"):
             layout = SlabLayout(t, h, w, H, W, n)
@@ -247,7 +247,7 @@ class ParallelVAE:
         if mode == "time":
             tl = TimeLayout(t, n, self.cfg.temporal_factor)
             p, q = tl.latents[r]
-            out = self.vae.decoder(z[:, :, p:q], Exec(comm, time_chain=True).begin(p))
+            out = self.vae.decoder(z[:, :, p:q], Exec(comm, time_chain=True, image_fast_path=t == 1).begin(p))
             counts = [tl.frames(p_, q_)[1] - tl.frames(p_, q_)[0] for p_, q_ in tl.latents]
             return _gather(comm, out, 2, counts, "output_gather")
         if mode in ("height", "height+chunks"):
