@@ -18,4 +18,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     __import__("ditsp.bench.packed", fromlist=["add_parser"]).add_parser(bsub)
     crossover.add_parser(bsub)
     link.add_parser(bsub)
+    from . import vae
+
+    vae.add_parser(bsub)
     return p

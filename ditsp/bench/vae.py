@@ -98,8 +98,7 @@ def rank_bench(ctx, widths, T, H, W, mode, chunk, repeats):
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="ditsp bench vae", description=__doc__)
+def _arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--widths", default="16,32,32,32", help="reduced widths (released 128,256,512,512)")
     p.add_argument("--frames", type=int, default=5)
     p.add_argument("--height", type=int, default=144, help="720p-like frame, scaled (16:9)")
@@ -107,7 +106,22 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--sp", default="2,4")
     p.add_argument("--out", default="benchmarks/results")
-    a = p.parse_args(argv)
+    return p
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """``ditsp bench vae``."""
+    p = sub.add_parser("vae", help="VAE encode/decode time and per-rank peak memory: one device vs SP modes",
+                       description=__doc__)
+    _arguments(p)
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args=None, parser=None) -> int:
+    """Run the benchmark; ``args`` is the parsed namespace (CLI) or an argv list (``None``: sys.argv)."""
+    a = args if isinstance(args, argparse.Namespace) else \
+        _arguments(argparse.ArgumentParser(prog="ditsp bench vae", description=__doc__)).parse_args(args)
     widths = tuple(int(v) for v in a.widths.split(","))
     T, H, W = a.frames, a.height, a.width
     sps = [int(s) for s in a.sp.split(",")]
