@@ -237,6 +237,12 @@ class ChosenRuntime:
     def scatter(self, x, layer=0):
         return self._rt.scatter(x, layer)
 
+    def scatter_rows(self, x_rows, src, patch):
+        return self._rt.scatter_rows(x_rows, src, patch)
+
+    def gather_rows(self, y_local, dst, patch):
+        return self._rt.gather_rows(y_local, dst, patch)
+
     def enter_layer(self, x, layer):
         return self._rt.enter_layer(x, layer)
 

@@ -57,6 +57,7 @@ from ..windows.exchange import exchange
 from ..windows.geometry import WindowLayout, canonical_method, check_grid, short_name, window_layout
 from ..windows.ownership import RowOwnership, ownership_transition
 from ..windows.plan import LRUCache, Transition
+from .handoff import rows_to_tokens, tokens_to_rows
 from .protocol import RopeFn
 
 PLAN_VERSION = 1
@@ -253,6 +254,14 @@ class HaloSlabRuntime:
             raise ValueError(f"expected {self.plan.num_tokens} canonical rows, got {x_canonical.shape[0]}")
         self.current = self.plan.layer_methods[layer]
         return x_canonical.index_select(0, self._ids.to(x_canonical.device))
+
+    def scatter_rows(self, x_rows: torch.Tensor, src: RowOwnership, patch) -> torch.Tensor:
+        """This rank's rows of ``src`` -> its slab's patched rows, one exchange."""
+        self.current = self.plan.layer_methods[0]
+        return rows_to_tokens(x_rows, src, self.plan.slabs, patch, self.comm)
+
+    def gather_rows(self, y_local: torch.Tensor, dst: RowOwnership, patch) -> torch.Tensor:
+        return tokens_to_rows(y_local, self.plan.slabs, dst, patch, self.comm)
 
     def enter_layer(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         """Rows stay on their slab: only attention borrows halo rows."""

@@ -14,6 +14,12 @@ gets one runtime and, in forward order, calls:
 
 ``report()`` names the execution path for run reports. A runtime with one
 rank runs the same code without collectives: that is the single-device path.
+
+Instead of canonical rows held whole on every rank, the input can arrive as
+this rank's rows of any other ownership of the patched grid (e.g. the height
+slab a sharded VAE encoded): ``scatter_rows`` moves them straight to the
+runtime's rows for layer 0, and ``gather_rows`` sends the output rows straight
+to another ownership (the decoder's slabs) instead of every rank.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 
 from ..attention.window import WindowPack
 from ..dist.comm import Comm
+from ..windows.ownership import RowOwnership
 
 RopeFn = Callable[[torch.Tensor, tuple[int, int, int]], torch.Tensor]
 
@@ -47,6 +54,12 @@ class SPRuntime(Protocol):
 
     def scatter(self, x_canonical: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """This rank's rows of ``(N, C)`` canonical rows, for ``layer``."""
+
+    def scatter_rows(self, x_rows: torch.Tensor, src: RowOwnership, patch: Sequence[int]) -> torch.Tensor:
+        """Like :meth:`scatter`, from this rank's ``(n, C)`` rows of ``src`` on the grid the tokens were patched from."""
+
+    def gather_rows(self, y_local: torch.Tensor, dst: RowOwnership, patch: Sequence[int]) -> torch.Tensor:
+        """Like :meth:`gather`, but only to ``dst``: this rank gets its ``(n, C / prod(patch))`` rows of ``dst``."""
 
     def enter_layer(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         """Rows as ``layer`` needs them (moved between ranks where the layout changes)."""

@@ -27,6 +27,8 @@ from ..dist.agree import agree
 from ..dist.comm import Comm
 from ..windows.geometry import canonical_method, short_name
 from ..windows.schedule import plan_schedule
+from ..windows.ownership import RowOwnership
+from .handoff import rows_to_tokens, tokens_to_rows
 from .protocol import RopeFn
 
 
@@ -77,6 +79,19 @@ class UlyssesWindowRuntime:
     def scatter(self, x_canonical: torch.Tensor, layer: int = 0) -> torch.Tensor:
         self.current = self.schedule.layer_methods[layer]
         return x_canonical[self.row_start : self.row_start + self.rows[self.rank]]
+
+    def scatter_rows(self, x_rows: torch.Tensor, src: RowOwnership, patch) -> torch.Tensor:
+        """This rank's rows of ``src`` -> its contiguous patched shard, one exchange."""
+        self.current = self.schedule.layer_methods[0]
+        return rows_to_tokens(x_rows, src, self._ownership(), patch, self.comm)
+
+    def gather_rows(self, y_local: torch.Tensor, dst: RowOwnership, patch) -> torch.Tensor:
+        return tokens_to_rows(y_local, self._ownership(), dst, patch, self.comm)
+
+    def _ownership(self) -> RowOwnership:
+        if "own" not in self._orders:
+            self._orders["own"] = RowOwnership.contiguous(self.grid, self.rows, "contiguous shards")
+        return self._orders["own"]
 
     def enter_layer(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         self.current = self.schedule.layer_methods[layer]

@@ -25,6 +25,8 @@ from ..windows.exchange import exchange
 from ..windows.geometry import canonical_method, short_name
 from ..windows.plan import Plan
 from ..windows.schedule import SchedulePlan, plan_schedule
+from ..windows.ownership import RowOwnership
+from .handoff import rows_to_tokens, tokens_to_rows
 from .protocol import RopeFn
 
 
@@ -111,6 +113,16 @@ class WindowRuntime:
             raise ValueError(f"expected {self.schedule.num_tokens} canonical rows, got {x_canonical.shape[0]}")
         self.current = self.schedule.layer_methods[layer]
         return x_canonical.index_select(0, self.local_token_ids(layer).to(x_canonical.device))
+
+    def scatter_rows(self, x_rows: torch.Tensor, src: RowOwnership, patch) -> torch.Tensor:
+        """This rank's rows of ``src`` (a fine-grid ownership) -> its patched rows of layer 0, one exchange."""
+        self.current = self.schedule.layer_methods[0]
+        return rows_to_tokens(x_rows, src, RowOwnership.of_plan(self.plan(0)), patch, self.comm)
+
+    def gather_rows(self, y_local: torch.Tensor, dst: RowOwnership, patch) -> torch.Tensor:
+        """This rank's output rows -> its rows of ``dst`` (a fine-grid ownership), one exchange."""
+        tokens = RowOwnership.of_plan(self.schedule.plans[self.current])
+        return tokens_to_rows(y_local, tokens, dst, patch, self.comm)
 
     def ensure_layout(self, x: torch.Tensor, current: str, required: str) -> torch.Tensor:
         """Re-shard ``x`` from layout ``current`` to ``required`` (identity when equal)."""

@@ -32,6 +32,7 @@ import torch
 from ...config import ParallelConfig
 from ...dist.comm import Comm, CommStats
 from ...memory import PeakMemory
+from ...windows.ownership import RowOwnership
 from .budget import pipeline_vae_mode
 from .parallelize import parallelize
 from .pipeline import (
@@ -80,6 +81,7 @@ class UpscaleRequest:
     overwrite: bool = False
     progress: bool = True
     sample_frames: int = 0  # keep this many (input, output) frame pairs for a picture
+    handoff: bool = True  # height-sharded VAE: slabs straight to the DiT's windows (False: gather, then scatter)
 
 
 class _Frames:
@@ -154,8 +156,7 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
     group = ctx.group if ctx.world_size > 1 else None
     device = ctx.device
     models = load(req.weights, device)
-    dit, vae = models.dit, models.vae
-    dtype = dit.dtype
+    vae = models.vae
     info, chunks = open_media(req.input)
     frames_total = info.frames
     if frames_total is None:
@@ -196,38 +197,17 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
 
             mode = pipeline_vae_mode(vae.cfg, tuple(xp.shape[2:]), ctx.world_size, budget, vae.dtype, req.vae_chunk,
                                      req.vae_mode)
-
-            def encode():
-                enc = pvae.encode(xp, mode)
-                eps = make_noise(enc.posterior.mean.shape, g, dtype=torch.float32)
-                vae_reports.add(enc.report)
-                z = vae.to_latent(enc.posterior.sample(eps.to(enc.posterior.mean.dtype)))
-                return vae.channels_last(z)[0]  # (t, h', w', 16)
-
-            latent = st.run("vae_encode", win.index, encode)
+            step = _sharded_window if req.handoff and mode in SLAB_MODES and ctx.world_size > 1 else _whole_window
+            decoded, dit_report = step(ctx, models, pvae, runtimes, req, st, win.index, xp, mode, g, vae_reports, bar)
             bar.update()
-            bar.set_postfix_str(f"window {win.index + 1}/{len(plan)} DiT")
-            noise = make_noise(latent.shape, g, dtype=torch.float32)
-            vid = dit_input(noise, latent.float())
-            grid = dit.grid_of(vid.shape)
-            if grid not in runtimes:
-                runtimes[grid] = parallelize(dit.cfg, ParallelConfig(ulysses_degree=ctx.world_size), grid, group,
-                                             req.planner)
-            rt = runtimes[grid]
-            v = st.run("dit", win.index, lambda: dit(vid.to(dtype), models.text, dit_timestep(device), runtime=rt))
-            dit_report = rt.report(heads=dit.cfg.heads)
-            bar.update()
-            bar.set_postfix_str(f"window {win.index + 1}/{len(plan)} decode")
-            z = decoder_latent(one_step_x0(noise, v), dtype=vae.dtype)
-            z = z if z.dim() == 5 else z.unsqueeze(2)
-            decoded = st.run("vae_decode", win.index, lambda: pvae.decode(z, mode))
-            vae_reports.add(pvae.last_report)
-            bar.update()
+            if not rank0:
+                _all_ok(vae_comm)
+                continue
             content = decoded[0, :, :n].permute(1, 0, 2, 3)  # (T, 3, H, W), padding dropped
             fixed = st.run("color_fix", win.index, apply_color_fix, content, x.permute(1, 0, 2, 3), req.color_fix)
             ready = blender.push(win.index, fixed.float())
             bar.update()
-            if rank0 and ready.shape[0]:
+            if ready.shape[0]:
                 out = to_uint8(ready)
                 digest.update(out.numpy().tobytes())
                 if len(samples_out) < req.sample_frames:
@@ -242,7 +222,8 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
                     st.run("write", win.index, writer.write, out)
                 written += out.shape[0]
             _all_ok(vae_comm)
-        blender.flush()
+        if rank0:
+            blender.flush()
         if writer is not None:
             st.run("write", len(plan), writer.close)
     except BaseException:
@@ -270,6 +251,89 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
             "samples": (torch.stack(samples_in), torch.stack(samples_out)) if samples_out else None,
         })
     return report
+
+
+SLAB_MODES = ("height", "height+chunks")
+
+
+def _runtime(runtimes: dict, ctx, dit, grid, planner: str):
+    if grid not in runtimes:
+        group = ctx.group if ctx.world_size > 1 else None
+        runtimes[grid] = parallelize(dit.cfg, ParallelConfig(ulysses_degree=ctx.world_size), grid, group, planner)
+    return runtimes[grid]
+
+
+def _whole_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, reports, bar):
+    """Every rank holds the whole latent (replicated / chunked / time VAE modes): the DiT scatters and gathers."""
+    dit, vae = models.dit, models.vae
+
+    def encode():
+        enc = pvae.encode(xp, mode)
+        eps = make_noise(enc.posterior.mean.shape, g, dtype=torch.float32)
+        reports.add(enc.report)
+        z = vae.to_latent(enc.posterior.sample(eps.to(enc.posterior.mean.dtype)))
+        return vae.channels_last(z)[0]  # (t, h', w', 16)
+
+    latent = st.run("vae_encode", index, encode)
+    bar.update()
+    noise = make_noise(latent.shape, g, dtype=torch.float32)
+    vid = dit_input(noise, latent.float())
+    rt = _runtime(runtimes, ctx, dit, dit.grid_of(vid.shape), req.planner)
+    v = st.run("dit", index, lambda: dit(vid.to(dit.dtype), models.text, dit_timestep(ctx.device), runtime=rt))
+    bar.update()
+    z = decoder_latent(one_step_x0(noise, v), dtype=vae.dtype)
+    z = z if z.dim() == 5 else z.unsqueeze(2)
+    decoded = st.run("vae_decode", index, lambda: pvae.decode(z, mode))
+    reports.add(pvae.last_report)
+    return decoded, rt.report(heads=dit.cfg.heads)
+
+
+def _sharded_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, reports, bar):
+    """Height-sharded VAE: each rank's latent slab goes straight to the DiT's windows and back, then its
+    decoded pixel rows go to rank 0 (the writer). The whole latent is never held by one rank."""
+    dit, vae = models.dit, models.vae
+    T, H, W = xp.shape[2:]
+    t, h, w = vae.cfg.latent_shape(T, H, W)
+
+    def encode():
+        eps = make_noise((1, vae.cfg.latent_channels, t, h, w), g, dtype=torch.float32)  # canonical draw
+        latent, enc = pvae.encode_latent(xp, mode, noise=eps.to(vae.dtype), keep_sharded=True)
+        reports.add(enc.report)
+        return vae.channels_last(latent)[0], enc.layout  # (t, rows, w, 16)
+
+    latent, layout = st.run("vae_encode", index, encode)
+    bar.update()
+    _, _, h0, h1 = layout.rank_rows(ctx.rank)
+    noise = make_noise((t, h, w, vae.cfg.latent_channels), g, dtype=torch.float32)[:, h0:h1]
+    slabs = RowOwnership.slabs((t, h, w), [layout.rank_rows(r) for r in range(ctx.world_size)], "VAE slabs")
+    rows = dit_input(noise, latent.float()).reshape(-1, noise.shape[-1] * 2 + 1)
+    rt = _runtime(runtimes, ctx, dit, dit.grid_of((t, h, w)), req.planner)
+    v = st.run("dit", index, lambda: dit(rows.to(dit.dtype), models.text, dit_timestep(ctx.device), runtime=rt,
+                                         rows=slabs))
+    bar.update()
+    x0 = one_step_x0(noise.reshape(-1, noise.shape[-1]), v).reshape(noise.shape)
+    z = decoder_latent(x0, dtype=vae.dtype)
+    z = z if z.dim() == 5 else z.unsqueeze(2)
+
+    def decode():
+        mine = pvae.decode_slab(z, layout, chunked=mode == "height+chunks", gather=False)  # (1, 3, T, rows, W)
+        counts = [b - a for a, b in layout.pixel_rows(vae.cfg.spatial_factor)]
+        return _rows_to_rank0(pvae.comm, mine, counts)
+
+    decoded = st.run("vae_decode", index, decode)
+    reports.add(f"VAE decode mode {mode} (SP={ctx.world_size}, slabs handed from the DiT's windows)")
+    return decoded, rt.report(heads=dit.cfg.heads)
+
+
+def _rows_to_rank0(comm: Comm, video: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+    """Every rank's pixel rows (dim 3) of ``video`` to rank 0 only (an all-to-all whose only target is rank 0)."""
+    if comm.world_size == 1:
+        return video
+    rows = video.movedim(3, 0).contiguous()
+    me, n = comm.rank, comm.world_size
+    got = comm.all_to_all_single(rows, [rows.shape[0] if d == 0 else 0 for d in range(n)],
+                                 counts if me == 0 else [0] * n, kind="decode_to_writer")
+    return got.movedim(0, 3) if me == 0 else None
 
 
 def _all_ok(comm: Comm) -> None:

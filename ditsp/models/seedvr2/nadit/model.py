@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ....sp import SPRuntime, WindowRuntime, check_request
+from ....windows.ownership import RowOwnership
 from .blocks import NaMMSRBlock
 from .blocks_7b import NaMMSRBlock7B
 from .config import NaDiTConfig
@@ -123,11 +124,16 @@ class NaDiT(nn.Module):
         return parallelize(self.cfg, None, grid, None, planner)
 
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, timestep, runtime: SPRuntime | None = None,
-                states: dict | None = None) -> torch.Tensor:
+                states: dict | None = None, rows: RowOwnership | None = None) -> torch.Tensor:
         """vid (T, H, W, 33) latent, txt (L, txt_in_dim), timestep scalar -> v (T, H, W, 16).
 
         ``runtime`` None runs on this device alone; under SP pass the group's
         runtime (:func:`ditsp.models.seedvr2.parallelize.parallelize`) and every rank returns the full output.
+
+        ``rows``: ``vid`` is only this rank's ``(n, 33)`` rows of the latent
+        grid as ``rows`` holds them (e.g. a sharded VAE's height slab), and the
+        result is this rank's ``(n, 16)`` rows of the same ownership: the
+        latent goes straight to the windows and back, never whole on a rank.
 
         ``states`` (a dict, for debugging against reference vectors) receives
         ``emb``, ``vid_patch_in``, ``txt_proj_in`` and every block's ``block<i>.vid``
@@ -135,12 +141,17 @@ class NaDiT(nn.Module):
         a 7B model then also computes the last block's discarded text output.
         """
         cfg, dtype = self.cfg, self.dtype
-        grid = self.grid_of(vid.shape)
+        grid = self.grid_of(rows.grid if rows is not None else vid.shape)
         rt = runtime or self.single_runtime(grid)
         check_request(rt, grid, cfg.window_methods, cfg.name)
+        if rows is not None and states is not None:
+            raise ValueError("states are recorded on canonical input only (rows=None)")
         t = torch.as_tensor(timestep, dtype=torch.float32, device=vid.device).reshape(-1)[:1]
         emb = self.emb_in(t, dtype)[0]  # one clip, one timestep: one emb serves every token
-        x = rt.scatter(patchify(vid.to(dtype), cfg.patch_size), 0)
+        if rows is None:
+            x = rt.scatter(patchify(vid.to(dtype), cfg.patch_size), 0)
+        else:
+            x = rt.scatter_rows(vid.to(dtype), rows, cfg.patch_size)
         x = self.vid_in.proj(x)
         txt = self.txt_in(txt.to(dtype))
         if states is not None:
@@ -154,6 +165,8 @@ class NaDiT(nn.Module):
                 states[f"block{i}.vid"], states[f"block{i}.txt"] = rt.gather(x), txt
         y = self.head.apply(self, x, emb, cfg.norm_eps)
         y = self.vid_out.proj(y)  # tokenwise: gather the 64-wide output, not the hidden state
+        if rows is not None:
+            return rt.gather_rows(y, rows, cfg.patch_size)
         return unpatchify(rt.gather(y), grid, cfg.patch_size)
 
 
