@@ -24,7 +24,7 @@ setup: $(STAMP)
 # of input vs output frames and a per-stage timeline, and check the frames against one device.
 run: $(STAMP)
 	mkdir -p out
-	$(BIN)/python -m ditsp.io.testclip out/input.mp4 --size 64x48 --frames 21 --fps 12
+	$(BIN)/python -m ditsp.io.testclip out/input.mp4 --size 64x48 --frames 21 --fps 12 --overwrite
 	$(BIN)/ditsp upscale out/input.mp4 -o out/restored.mp4 --sp 2 --scale 2 --window-frames 9 --overlap 4 \
 		--overwrite --plot out/upscale.png --check --no-progress
 
