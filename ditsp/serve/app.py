@@ -187,11 +187,10 @@ def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
         candidates = [path] if os.path.isabs(path) else [os.path.join(d, path) for d in allowed]
         for c in candidates:
             real = os.path.realpath(c)
-            if _inside(real, allowed):
-                if os.path.exists(real):
-                    return real
-            elif os.path.isabs(path) or ".." in Path(path).parts:
+            if not _inside(real, allowed):  # '..', an absolute path elsewhere, or a link leading out
                 raise _bad(403, "path: outside the allowed input folders")
+            if os.path.exists(real):
+                return real
         raise _bad(404, "path: no such file under the allowed input folders")
 
     def _save_upload(file: UploadFile, dest: Path) -> None:

@@ -83,6 +83,7 @@ class Controller:
         self._deaths: list[float] = []  # monotonic times deaths were noticed, not yet rebuilt
         self._planner = "lpt"
         self._failed_steps = 0
+        self._grids: set = set()  # DiT grids of recent jobs: their plans are rebuilt with the group
         self._tcp = None
         self._thread = threading.Thread(target=self._main, name="ditsp-serve-controller", daemon=True)
 
@@ -211,8 +212,8 @@ class Controller:
             ok = ok and self._step(group, "weights", [{"spec": self.spec}] * len(group), self.timeout_s * 10,
                                    rec)
             c = time.monotonic()
-            ok = ok and self._step(group, "replan", [{"spec": self.spec, "planner": self._planner}] * len(group),
-                                   self.timeout_s)
+            payload = {"spec": self.spec, "planner": self._planner, "grids": sorted(self._grids)}
+            ok = ok and self._step(group, "replan", [payload] * len(group), self.timeout_s)
             d = time.monotonic()
             if not ok:  # a member died or failed while rebuilding: rebuild again without it
                 self.members = [w for w in self.members if w in group]
@@ -249,6 +250,17 @@ class Controller:
                 self._lost(w)  # dead, hung or failing again and again: a fresh worker replaces it
                 group.remove(w)
         return False
+
+    def _remember_grids(self, req) -> None:
+        from .workers import request_grids
+
+        try:
+            grids = request_grids(req)
+        except Exception:  # noqa: BLE001 - only a warm-up hint
+            return
+        if len(self._grids) + len(grids) > 16:
+            self._grids.clear()
+        self._grids.update(grids)
 
     def _check_stop(self) -> None:
         if self._stop.is_set():
@@ -290,6 +302,7 @@ class Controller:
             raise  # the job stays 'running' in the store: the next start re-runs it
         self.current_job = None
         if not errors:
+            self._remember_grids(req)
             summary = summarize([results[w.index] for w in group])
             summary.pop("samples", None)
             summary.pop("timeline", None)

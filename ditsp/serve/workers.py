@@ -16,8 +16,9 @@ Commands a worker runs (one at a time, answered over its own pipe):
   ranks that already hold them (in the cache) send them to those that do not
   with one byte broadcast from the lowest such rank; only when no rank holds
   them are they loaded from storage;
-- ``replan``: build the SP runtimes of the grids the last jobs used at the new
-  degree (window plans are cached, so this warms the cache);
+- ``replan``: build the SP runtimes of the grids recent jobs used (the server
+  sends the same list to every rank) at the new degree (window plans are
+  cached, so this fills the cache before the next job needs it);
 - ``job``: :func:`~ditsp.models.seedvr2.restore.rank_upscale`, with rank 0's
   progress written to a shared array the server reads.
 
@@ -242,8 +243,12 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
 
     tqdm.tqdm = _Progress  # rank_upscale's progress bar reports to the server instead of a terminal
     _Progress.shared = progress
+    # import what a job needs now, so neither a job nor a joining rank pays for it later
+    from ..io import video  # noqa: F401
+    from ..models.seedvr2 import parallelize, restore  # noqa: F401
+    from ..models.seedvr2.vae import sharded  # noqa: F401
+
     group = _Group(port, timeout_s)
-    last_grids: dict = {}
     answers.send((0, True, {"pid": os.getpid()}))
     while True:
         item = tasks.get()
@@ -256,18 +261,13 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
             elif name == "weights":
                 out = share_weights(payload["spec"], group.rank)
             elif name == "replan":
-                grids = sorted(last_grids.get(payload["planner"], ()))
-                out = replan(payload["spec"], grids, payload["planner"])
+                out = replan(payload["spec"], payload["grids"], payload["planner"])
             elif name == "job":
                 from ..models.seedvr2.restore import rank_upscale
 
                 req = replace(payload["req"], sp=group.world)
                 progress[0], progress[1] = 0, 0
                 out = rank_upscale(group.context(), req)
-                try:
-                    last_grids.setdefault(req.planner, set()).update(request_grids(req))
-                except Exception:  # noqa: BLE001 - warming is best-effort
-                    pass
             elif name == "load":
                 from ..models.seedvr2 import weights
 
