@@ -208,3 +208,190 @@ def format_verify(result: dict) -> str:
                      f"({r['path']}{extra})")
     lines.append("PASS" if result["pass"] else "FAIL")
     return "\n".join(lines)
+
+
+# -- VAE ----------------------------------------------------------------------
+
+
+def _load_vae(directory: str):
+    """(model, io) of a VAE vector set; weights rebuilt by the seeded recipe when the set ships none."""
+    from safetensors.torch import load_file
+
+    from .vae.checkpoint import load_checkpoint
+    from .vae.config import VaeConfig
+    from .vae.fixtures import seeded_vae
+
+    cfg_json = read_config(directory)
+    cfg = VaeConfig.from_json(Path(directory) / "config.json")
+    weights = Path(directory) / "weights.safetensors"
+    if weights.is_file():
+        from .vae.model import VideoVAE
+
+        vae = VideoVAE(cfg).eval()
+        load_checkpoint(vae, weights)
+    else:
+        vae = seeded_vae(cfg, int(cfg_json.get("seed", 1234)))
+    io = load_file(Path(directory) / "io.safetensors")
+    missing = [k for k in ("video", "posterior_mean", "posterior_logvar", "decoded_from_mean") if k not in io]
+    if missing:
+        raise VectorSetError(f"{directory}/io.safetensors lacks {missing}")
+    return vae, io
+
+
+@torch.no_grad()
+def _vae_one_device(vae, io, chunk) -> dict:
+    post = vae.encode(io["video"], chunk=chunk)
+    errs = {"posterior_mean": rel_err(post.mean, io["posterior_mean"]),
+            "posterior_logvar": rel_err(post.logvar, io["posterior_logvar"]),
+            "decoded_from_mean": rel_err(vae.decode(io["posterior_mean"], chunk=chunk), io["decoded_from_mean"])}
+    if "sample_noise" in io and "latent_pipeline" in io:
+        latent = vae.channels_last(vae.to_latent(post.sample(io["sample_noise"])))[0]
+        errs["latent_pipeline"] = rel_err(latent, io["latent_pipeline"])
+    if "latent_pipeline" in io and "decoded" in io:
+        z = vae.from_latent(vae.channels_first(io["latent_pipeline"][None]))
+        errs["decoded"] = rel_err(vae.decode(z, chunk=chunk), io["decoded"])
+    return errs
+
+
+@torch.no_grad()
+def _vae_rank(ctx, directory: str) -> list:
+    """One rank: (mode, worst relative error, digest, report) of every sharded mode."""
+    from ...dist.comm import Comm
+    from .vae.sharded import ParallelVAE
+
+    torch.set_num_threads(1)
+    vae, io = _load_vae(directory)
+    pv = ParallelVAE(vae, Comm(ctx.group))
+    out = []
+    for mode in ("time", "height", "height+chunks"):
+        enc = pv.encode(io["video"], mode=mode)
+        dec = pv.decode(io["posterior_mean"], mode=mode)
+        err = max(rel_err(enc.posterior.mean, io["posterior_mean"]), rel_err(enc.posterior.logvar, io["posterior_logvar"]),
+                  rel_err(dec, io["decoded_from_mean"]))
+        out.append((mode, err, _digest(enc.posterior.mean) + _digest(dec), enc.report))
+    return out
+
+
+def check_vae(directory: str | os.PathLike, degrees: Sequence[int] = (1, 2, 3),
+              cluster_factory: ClusterFactory | None = None) -> dict:
+    """Check a VAE vector set: one device (plain and chunked: posterior mean/logvar, pipeline latent,
+    decoded, decoded from the mean), and at each SP degree > 1 the sharded modes (time, height,
+    height+chunks; every rank must return the same bytes)."""
+    from ...dist.launcher import LocalCluster
+
+    directory = os.fspath(directory)
+    vae, io = _load_vae(directory)
+    result = {"kind": "vae", "dir": directory, "threshold": REL_TOL,
+              "ref_max_abs": io["decoded_from_mean"].abs().max().item(), "runs": []}
+    for n in degrees:
+        n = int(n)
+        if n < 1:
+            raise ValueError(f"SP degree must be >= 1, got {n}")
+        if n == 1:
+            for chunk, path in ((None, "single device"), (1, "single device, chunked")):
+                errs = _vae_one_device(vae, io, chunk)
+                worst = max(errs, key=errs.get)
+                run = {"degree": 1, "path": path, "rel_err": errs[worst], "ranks_agree": True, "errors": errs}
+                if errs[worst] > REL_TOL:
+                    run["first_divergence"] = worst
+                run["pass"] = run["rel_err"] <= REL_TOL
+                result["runs"].append(run)
+            continue
+        if cluster_factory is not None:
+            results = cluster_factory(n).run(_vae_rank, directory)
+        else:
+            with LocalCluster(n, timeout_s=300.0, threads=1) as cluster:
+                results = cluster.run(_vae_rank, directory)
+        for i, (mode, _, _, report) in enumerate(results[0]):
+            errs = [r[i][1] for r in results]
+            run = {"degree": n, "path": f"VAE {mode}", "rel_err": max(errs), "rank_rel_err": errs,
+                   "ranks_agree": len({r[i][2] for r in results}) == 1}
+            run["pass"] = run["rel_err"] <= REL_TOL and run["ranks_agree"]
+            result["runs"].append(run)
+    result["pass"] = all(r["pass"] for r in result["runs"])
+    return result
+
+
+# -- pipeline arithmetic --------------------------------------------------------
+
+
+def check_pipeline(directory: str | os.PathLike, degrees: Sequence[int] = (1,),
+                   cluster_factory: ClusterFactory | None = None) -> dict:
+    """Check a pipeline-arithmetic vector set (transform, padding, condition, sampler, decoder latent,
+    colour fix, uint8) at the tolerances its README states: resize 1e-5, transform 2e-5, colour fix
+    1e-6 (absolute), everything else exact. Nothing here depends on the SP degree: one run is reported,
+    and its ``rel_err`` is the worst error as a fraction of that check's tolerance (an exact check
+    that differs counts as infinity), so the bar is 1."""
+    from safetensors.torch import load_file
+
+    from .pipeline import color_fix as cf
+    from .pipeline import condition as cond
+    from .pipeline.padding import reference_pad
+    from .pipeline.transform import area_resize, to_uint8, to_uint8_values, transform_frames
+
+    directory = os.fspath(directory)
+    config = read_config(directory)
+    io = load_file(str(Path(directory) / "io.safetensors"))
+    errs: dict[str, float] = {}
+
+    def close(name, a, b, tol):
+        if tuple(a.shape) != tuple(b.shape):
+            errs[name] = float("inf")
+            return
+        e = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+        errs[name] = e / tol
+
+    def exact(name, ok):
+        errs[name] = 0.0 if ok else float("inf")
+
+    for case in config.get("transform", {}).get("cases", []):
+        n = case["name"]
+        x = io[f"{n}.in_u8"]
+        close(f"{n}.resized", area_resize(x.float() / 255.0, case["res_h"], case["res_w"]), io[f"{n}.resized"], 1e-5)
+        close(f"{n}.out", transform_frames(x, case["res_h"], case["res_w"]), io[f"{n}.out"], 2e-5)
+    for sp in (1, 2, 4):
+        if f"pad.out_sp{sp}" in io:
+            exact(f"pad.out_sp{sp}", torch.equal(reference_pad(io["pad.in"], sp), io[f"pad.out_sp{sp}"]))
+    for case in config.get("condition", {}).get("cases", []):
+        n = case["name"]
+        latent, noise, v = io[f"{n}.latent"], io[f"{n}.noise"], io[f"{n}.v"]
+        got_noise, got_aug = cond.draw_noises(latent, case["seed"])
+        exact(f"{n}.noise", torch.equal(got_noise, noise) and torch.equal(got_aug, io[f"{n}.aug_noise"]))
+        scale = 0.1 if "inference_seedvr_" in case["script"] else cond.SEEDVR2_COND_NOISE_SCALE
+        c = cond.augment_condition(latent, io[f"{n}.aug_noise"], scale)
+        exact(f"{n}.dit_vid_in", torch.equal(cond.dit_input(noise, c), io[f"{n}.dit_vid_in"]))
+        x0 = cond.one_step_x0(noise, v)
+        exact(f"{n}.x0", torch.equal(x0, io[f"{n}.x0"]))
+        exact(f"{n}.vae_decode_in", torch.equal(cond.decoder_latent(x0).float(), io[f"{n}.vae_decode_in"]))
+    if "euler4.x_T" in io:
+        calls = iter(range(4))
+        x0 = cond.euler_sample(io["euler4.x_T"], lambda x, t: io["euler4.v"][next(calls)], steps=4)
+        exact("euler4.x0", torch.equal(x0, io["euler4.x0"]))
+    for n in ("cf0", "cf1"):
+        if f"{n}.content" in io:
+            content, style = io[f"{n}.content"], io[f"{n}.style"]
+            close(f"{n}.wavelet", cf.apply_color_fix(content, style, "wavelet"), io[f"{n}.wavelet"], 1e-6)
+            close(f"{n}.wavelet_bf16content", cf.apply_color_fix(content.bfloat16(), style, "wavelet"),
+                  io[f"{n}.wavelet_bf16content"], 1e-6)
+            close(f"{n}.adain", cf.apply_color_fix(content, style, "adain"), io[f"{n}.adain"], 1e-6)
+    if "u8.in" in io:
+        exact("u8.out", torch.equal(to_uint8_values(io["u8.in"]), io["u8.out"]))
+    if "post.decoded" in io:
+        ori = io["post.u8_fp32decoded"].shape[0]
+        decoded = io["post.decoded"][:ori]
+        style = io["post.input_CTHW"].permute(1, 0, 2, 3)
+        exact("post.u8_fp32decoded", torch.equal(to_uint8(cf.apply_color_fix(decoded, style)), io["post.u8_fp32decoded"]))
+    if not errs:
+        raise VectorSetError(f"{directory}: no pipeline vectors found in io.safetensors")
+    worst = max(errs, key=errs.get)
+    run = {"degree": 1, "path": f"pipeline arithmetic, {len(errs)} checks", "rel_err": errs[worst],
+           "ranks_agree": True, "errors": errs}
+    run["pass"] = errs[worst] <= 1.0
+    if not run["pass"]:
+        run["first_divergence"] = worst
+    return {"kind": "pipeline", "dir": directory, "threshold": 1.0, "ref_max_abs": 1.0, "runs": [run],
+            "pass": run["pass"]}
+
+
+CHECKERS["vae"] = check_vae
+CHECKERS["pipeline"] = check_pipeline
