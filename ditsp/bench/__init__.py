@@ -21,4 +21,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     from . import vae
 
     vae.add_parser(bsub)
+    from . import elastic  # noqa: E402
+    elastic.add_parser(bsub)
     return p
