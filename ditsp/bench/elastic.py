@@ -156,7 +156,8 @@ def format_md(r: dict) -> str:
         "",
         f"`ditsp bench elastic --model {r['model']} --sp {r['sp']} --repeats {r['repeats']}` on "
         f"{platform.machine()}, {os.cpu_count()} CPU(s), gloo on 127.0.0.1; medians of {r['repeats']} kills "
-        f"(SIGKILL of the last rank of a {r['sp']}-rank group with the model loaded and one job done).",
+        f"(SIGKILL of the last rank of a {r['sp']}-rank group with the model loaded and one job done); "
+        f"load average at the end {os.getloadavg()[0]:.1f} (other jobs shared the cores).",
         "",
         "| rank lost: part | median ms | runs (ms) |",
         "| --- | ---: | --- |",

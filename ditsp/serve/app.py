@@ -24,7 +24,6 @@ import hmac
 import json
 import os
 import re
-import shutil
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
