@@ -31,13 +31,14 @@ INVARIANT_VAE_MODES = ("height", "height+chunks", "replicated", "chunked", "time
 
 def pipeline_vae_mode(vae_cfg, shape: tuple[int, int, int], world: int, budget: int | None, dtype: torch.dtype,
                       chunk: int = 1, requested: str = "auto") -> str:
-    """The VAE mode a restoration runs: ``requested``, or for ``auto`` the first degree-invariant mode that fits.
+    """The VAE mode a restoration runs: ``requested``, or for ``auto`` the first listed invariant mode that fits.
 
-    ``replicated`` and ``chunked`` give bitwise the same result (tested), and
-    neither depends on the SP degree, so whichever fits keeps the restoration
-    identical at every degree. Only when neither fits ``budget`` per rank does
-    the VAE shard (``"auto"`` is then the VAE's own choice; its sharded modes
-    match one device to 1e-5, not bit for bit).
+    Every mode in :data:`INVARIANT_VAE_MODES` gives bitwise the result of one
+    device at any SP degree on CPU (tested in ``tests/test_vae_sharded.py``),
+    so whichever fits keeps the restoration identical at every degree. The
+    sharded ones come first: they split the VAE's work and memory across the
+    group. Only when none fits ``budget`` per rank does ``"auto"`` fall back
+    to the VAE's own choice (tiled: approximate).
     """
     if requested != "auto":
         return requested
