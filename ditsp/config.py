@@ -35,6 +35,14 @@ class ParallelConfig:
     - ``window_path``: the SP runtime of a window model: ``window`` (Plan A,
       planner above), ``halo`` (Plan B), ``ulysses`` (baseline) or ``auto``
       (the cheapest by :mod:`ditsp.sp.choice`'s cost model, agreed by every rank).
+    - ``ulysses_a2a``: all-to-all transport policy of Ulysses and window exchanges
+      (:mod:`ditsp.dist.transport`): ``off`` (one all-to-all), ``chunked`` (staging
+      bounded by the capacity) or ``auto``; ``None`` reads ``DITSP_ULYSSES_A2A`` (default ``auto``).
+    - ``ulysses_a2a_long_training``: ``auto`` keeps grad-tracked operands above the
+      per-plane threshold on the original transport; ``chunked`` opts them in; ``None``
+      reads ``DITSP_ULYSSES_A2A_LONG_TRAINING`` (default ``auto``).
+    - ``a2a_capacity_bytes``: per-rank transport staging capacity; ``None`` reads
+      ``DITSP_A2A_CAPACITY_BYTES`` (default 1 GiB).
     """
 
     ulysses_degree: int = 1
@@ -44,12 +52,23 @@ class ParallelConfig:
     ulysses_a2a_permute: bool = False
     window_planner: str = "lpt"
     window_path: str = "window"
+    ulysses_a2a: str | None = None
+    ulysses_a2a_long_training: str | None = None
+    a2a_capacity_bytes: int | None = None
 
     def __post_init__(self):
         for name in ("ulysses_degree", "ring_degree"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ParallelConfigError(f"{name} must be a positive integer, got {v!r}")
+        for name, valid in (("ulysses_a2a", ("off", "auto", "chunked")),
+                            ("ulysses_a2a_long_training", ("auto", "chunked"))):
+            v = getattr(self, name)
+            if v is not None and v not in valid:
+                raise ParallelConfigError(f"{name} must be one of {', '.join(valid)} (or None), got {v!r}")
+        v = self.a2a_capacity_bytes
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ParallelConfigError(f"a2a_capacity_bytes must be a positive integer (or None), got {v!r}")
 
     @property
     def sp_degree(self) -> int:

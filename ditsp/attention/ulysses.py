@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from ..dist import transport
 from ..dist.comm import Comm
 from .common import even_splits, ranges
 
@@ -58,14 +59,11 @@ def head_plan(heads: int, kv_heads: int, degree: int) -> HeadPlan:
 
 def _exchange(comm: Comm, chunks: list[list[torch.Tensor]], shapes: list[list[tuple]], kind: str):
     """Send ``chunks[p]`` to peer p, receive tensors of ``shapes[r]`` from r; one flat all-to-all."""
-    parts = [c for per in chunks for c in per]
-    flat = parts[0].new_empty(sum(c.numel() for c in parts))
-    o = 0
-    for c in parts:  # packed straight into the send buffer: no per-chunk copies alive next to it
-        flat[o : o + c.numel()].view(c.shape).copy_(c)
-        o += c.numel()
+    # Packed straight into the send buffer (whole, or chunk by chunk within a capacity): ditsp.dist.transport.
+    flat = transport.Concat([c for per in chunks for c in per])
     sizes = [[int(torch.Size(s).numel()) for s in per] for per in shapes]
-    out = comm.all_to_all_single(flat, [sum(c.numel() for c in per) for per in chunks], [sum(s) for s in sizes], kind)
+    out = transport.all_to_all(comm, flat, [sum(c.numel() for c in per) for per in chunks], [sum(s) for s in sizes],
+                               kind, key=transport.shape_key(chunks, shapes))
     pieces, o = [], 0
     for per, ss in zip(shapes, sizes):
         pieces.append([])

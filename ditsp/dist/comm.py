@@ -155,3 +155,56 @@ class Comm:
             kind, sum(t.numel() * t.element_size() for t, _ in sends), sum(t.numel() * t.element_size() for t, _ in recvs)
         )
         return reqs
+
+    # -- transport helpers (ditsp.dist.transport) --------------------------------
+
+    def all_to_all_single_async(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+        kind: str = "all_to_all",
+    ):
+        """Post a variable-split all-to-all into ``out`` (contiguous); returns the work handle to ``wait()``.
+
+        Counted like :meth:`all_to_all_single` (one call, the bytes that cross ranks). One rank: a copy
+        and ``None``.
+        """
+        input_splits = [int(s) for s in input_splits]
+        output_splits = [int(s) for s in output_splits]
+        work = None
+        if self.world_size == 1:
+            out.copy_(inp)
+        else:
+            work = dist.all_to_all_single(out, inp, output_splits, input_splits, group=self.group, async_op=True)
+        sent = sum(input_splits) - input_splits[self.rank]
+        recv = sum(output_splits) - output_splits[self.rank]
+        self.stats.add(kind, _nbytes_rows(inp, sent), _nbytes_rows(inp, recv))
+        return work
+
+    def all_gather_ints(self, values: Sequence[int], kind: str = "transport_agree") -> list[list[int]]:
+        """Every rank's list of ``len(values)`` int64 (the same length on every rank): one small all-gather."""
+        if self.world_size == 1:
+            return [[int(v) for v in values]]
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        if self.group is not None and dist.get_backend(self.group) == "nccl":
+            t = t.cuda()
+        outs = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(outs, t, group=self.group)
+        nbytes = t.numel() * t.element_size()
+        self.stats.add(kind, nbytes * (self.world_size - 1), nbytes * (self.world_size - 1))
+        return [o.tolist() for o in outs]
+
+    def staging(self, delta: int) -> None:
+        """Transport staging bytes: ``delta`` more (or fewer, when negative) are live; keeps the peak."""
+        live = getattr(self, "_staging_live", 0) + int(delta)
+        self._staging_live = live
+        self._staging_peak = max(getattr(self, "_staging_peak", 0), live)
+
+    def staging_peak(self, reset: bool = False) -> int:
+        """The most transport staging bytes live at once on this rank (since the last reset)."""
+        peak = getattr(self, "_staging_peak", 0)
+        if reset:
+            self._staging_peak = getattr(self, "_staging_live", 0)
+        return peak

@@ -2,8 +2,9 @@
 
 Each rank packs its rows grouped by destination (each group already in the
 destination's local order), one variable-split ``all_to_all_single`` moves
-them, and the receiver restores its local order with one gather by the
-precomputed permutation. Whether any row crosses ranks is read off the
+them (through :mod:`ditsp.dist.transport`: whole, or in chunks bounded by
+its capacity), and the receiver restores its local order with one gather by
+the precomputed permutation. Whether any row crosses ranks is read off the
 global count matrix, so all ranks take the same branch; a rank that sends
 and receives nothing still joins the collective. When ownership does not
 change (always at SP=1) the change is a local permutation.
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dist import transport
 from ..dist.comm import Comm
 from .plan import Transition
 
@@ -53,7 +55,6 @@ def exchange(x: torch.Tensor, t: Transition, comm: Comm) -> torch.Tensor:
         raise ValueError(f"rank {comm.rank} holds {x.shape[0]} rows; the plan says {sum(idx.input_splits)}")
     if idx.local_perm is not None:  # same ownership: no collective on any rank
         return x.index_select(0, idx.local_perm)
-    received = comm.all_to_all_single(
-        x.index_select(0, idx.send_index), idx.input_splits, idx.output_splits, kind="window_exchange"
-    )
-    return received.index_select(0, idx.recv_order)
+    # Packed and reordered by the transport: whole (off) or in chunks bounded by its capacity.
+    return transport.all_to_all(comm, transport.Rows(x, idx.send_index), idx.input_splits, idx.output_splits,
+                                "window_exchange", recv_order=idx.recv_order, key=transport.matrix_key(t.counts))

@@ -1,0 +1,576 @@
+"""All-to-all transport: packed buffers moved by split sizes, whole or in bounded chunks.
+
+One entry point, :func:`all_to_all`, moves a packed send buffer (rows per
+peer, like ``all_to_all_single``) for the Ulysses codec
+(:mod:`ditsp.attention.ulysses`) and the window exchange
+(:mod:`ditsp.windows.exchange`). Policies (``docs/transport.md``):
+
+- ``off``: one ``all_to_all_single`` of the whole packed buffer (the original path);
+- ``chunked``: every peer segment is cut into the same number of chunks K so
+  that the staging buffers of a rank (two send stages and one receive stage)
+  never exceed the capacity; one all-to-all per chunk, the next chunk packed
+  straight from the source while the current one is in flight;
+- ``auto``: ``chunked`` where the whole buffer would not fit the capacity on
+  some rank, else ``off``; grad-tracked operands above the per-plane threshold
+  keep ``off`` unless the long-training opt-in is ``chunked``.
+
+Agreement: before a call, every rank contributes one fixed-size int vector
+(settings, capability, dtype, row shape, grad flag, its split sizes) to one
+small all-gather, and every rank derives the same decision from the same
+gathered matrix: geometry or dtype that disagree raise :class:`TransportError`
+on every rank; settings or capability that disagree make every rank take
+``off`` (said once) and are not cached, so a later agreeing call is tuned again.
+An agreed decision is cached per ``(key, local signature)`` when the caller
+passes a ``key`` that determines the global exchange on every rank (a count
+matrix digest, the codec's shapes); without a key every call agrees.
+
+Outputs are freshly allocated (never a view of a staging buffer); chunked and
+off give the same bits. Under autograd the backward runs the transposed
+exchange with the plan its forward saved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import weakref
+import zlib
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import torch
+
+from .comm import Comm
+
+POLICIES = ("off", "auto", "chunked")
+LONG_TRAINING = ("auto", "chunked")
+AGREE = ("key", "every")
+DEFAULT_CAPACITY = 1 << 30
+DEFAULT_GRAD_THRESHOLD = 512 << 20
+ENV_POLICY = "DITSP_ULYSSES_A2A"
+ENV_LONG = "DITSP_ULYSSES_A2A_LONG_TRAINING"
+ENV_CAPACITY = "DITSP_A2A_CAPACITY_BYTES"
+ENV_AGREE = "DITSP_A2A_AGREE"
+_VERSION = 1
+_CACHE_MAX = 1024
+
+log = logging.getLogger("ditsp.transport")
+
+
+class TransportError(RuntimeError):
+    """Raised on every rank alike: ranks disagree on geometry/dtype, or no policy can honour the settings."""
+
+
+# -- settings ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransportSettings:
+    """What one rank asks of the transport; ``sources`` says where each value came from."""
+
+    policy: str = "auto"
+    long_training: str = "auto"
+    capacity_bytes: int = DEFAULT_CAPACITY
+    grad_threshold_bytes: int = DEFAULT_GRAD_THRESHOLD
+    agree: str = "key"  # "key": once per caller key (cached); "every": before every call
+    sources: tuple = field(default=(), compare=False)
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"transport policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.long_training not in LONG_TRAINING:
+            raise ValueError(f"long-training policy must be one of {', '.join(LONG_TRAINING)}, "
+                             f"got {self.long_training!r}")
+        if self.agree not in AGREE:
+            raise ValueError(f"agreement mode must be one of {', '.join(AGREE)}, got {self.agree!r}")
+        for name in ("capacity_bytes", "grad_threshold_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+    @classmethod
+    def resolve(cls, config=None, env=None, **overrides) -> "TransportSettings":
+        """Config fields (when not None) over environment variables over defaults; ``overrides`` over all."""
+        env = os.environ if env is None else env
+        values, sources = {}, []
+
+        def pick(name, attr, var, parse, default):
+            cv = getattr(config, attr, None) if config is not None else None
+            if cv is not None:
+                values[name], src = cv, "config"
+            elif env.get(var, "").strip():
+                raw = env[var].strip()
+                try:
+                    values[name] = parse(raw)
+                except ValueError:
+                    raise ValueError(f"{var}={raw!r} is not a valid value") from None
+                src = "env"
+            else:
+                values[name], src = default, "default"
+            sources.append((name, src))
+
+        pick("policy", "ulysses_a2a", ENV_POLICY, str.lower, "auto")
+        pick("long_training", "ulysses_a2a_long_training", ENV_LONG, str.lower, "auto")
+        pick("capacity_bytes", "a2a_capacity_bytes", ENV_CAPACITY, int, DEFAULT_CAPACITY)
+        values["agree"] = env.get(ENV_AGREE, "").strip().lower() or "key"
+        for k, v in overrides.items():
+            values[k] = v
+            sources.append((k, "override"))
+        try:
+            return cls(**values, sources=tuple(sources))
+        except ValueError as e:
+            where = ", ".join(f"{n} from {s}" for n, s in sources)
+            raise ValueError(f"{e} ({where})") from None
+
+
+_DEFAULT: TransportSettings | None = None
+
+
+def configure(comm: Comm | None, config=None, **overrides) -> TransportSettings:
+    """Settings from a :class:`~ditsp.config.ParallelConfig` (or None: env/defaults) for ``comm``.
+
+    ``comm=None`` sets the process default for every Comm without its own settings. Collective in
+    spirit: call it on every rank of the group alike (it clears this rank's agreed cache).
+    """
+    global _DEFAULT
+    s = config if isinstance(config, TransportSettings) else TransportSettings.resolve(config, **overrides)
+    if comm is None:
+        _DEFAULT = s
+        for t in list(_TRANSPORTS.values()):
+            t.clear()
+    else:
+        t = transport_of(comm)
+        t.explicit = s
+        t.clear()
+    return s
+
+
+# -- sources: the packed send buffer, without building it -------------------------
+
+
+class Rows:
+    """Packed row j is ``x[index[j]]`` (``x[j]`` without an index)."""
+
+    def __init__(self, x: torch.Tensor, index: torch.Tensor | None = None):
+        self.x, self.index = x, index
+        self.rows = int(index.numel()) if index is not None else int(x.shape[0])
+        self.row_shape, self.dtype, self.device = tuple(x.shape[1:]), x.dtype, x.device
+        self.planes = 1
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.x.requires_grad
+
+    def materialize(self) -> tuple[torch.Tensor, bool]:
+        """The packed buffer, and whether it is a new copy."""
+        if self.index is not None:
+            return self.x.index_select(0, self.index), True
+        return self.x, False
+
+    def copy_rows(self, a: int, b: int, dst: torch.Tensor) -> None:
+        if self.index is not None:
+            torch.index_select(self.x, 0, self.index[a:b], out=dst)
+        else:
+            dst.copy_(self.x[a:b])
+
+
+class Concat:
+    """Packed 1-D stream: the flattened tensors back to back (strided views are fine)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.tensors = list(tensors)
+        self.offsets = [0]
+        for t in self.tensors:
+            self.offsets.append(self.offsets[-1] + t.numel())
+        self.rows, self.row_shape = self.offsets[-1], ()
+        self.dtype, self.device = self.tensors[0].dtype, self.tensors[0].device
+        self.planes = sum(int(t.shape[0]) if t.dim() >= 2 else 1 for t in self.tensors)
+
+    @property
+    def requires_grad(self) -> bool:
+        return any(t.requires_grad for t in self.tensors)
+
+    def materialize(self) -> tuple[torch.Tensor, bool]:
+        flat = self.tensors[0].new_empty(self.rows)
+        for t, lo, hi in zip(self.tensors, self.offsets, self.offsets[1:]):  # straight into the buffer
+            flat[lo:hi].view(t.shape).copy_(t)
+        return flat, True
+
+    def copy_rows(self, a: int, b: int, dst: torch.Tensor) -> None:
+        o = 0
+        for t, lo, hi in zip(self.tensors, self.offsets, self.offsets[1:]):
+            x0, x1 = max(a, lo), min(b, hi)
+            if x1 > x0:
+                _copy_flat_range(t, x0 - lo, x1 - lo, dst[o : o + x1 - x0])
+                o += x1 - x0
+
+
+def _copy_flat_range(src: torch.Tensor, a: int, b: int, dst: torch.Tensor) -> None:
+    """``dst[:] = src.reshape(-1)[a:b]`` without materialising a strided ``src`` (a few block copies)."""
+    if b <= a:
+        return
+    if src.dim() <= 1 or src.is_contiguous():
+        dst.copy_(src.reshape(-1)[a:b])
+        return
+    inner = src[0].numel()
+    i0, o = a // inner, 0
+    if a % inner:  # head: part of one leading slice
+        stop = min(b, (i0 + 1) * inner)
+        _copy_flat_range(src[i0], a - i0 * inner, stop - i0 * inner, dst[: stop - a])
+        o, i0 = stop - a, i0 + 1
+        if stop == b:
+            return
+    i1 = b // inner  # whole leading slices i0..i1-1
+    if i1 > i0:
+        n = (i1 - i0) * inner
+        dst[o : o + n].view((i1 - i0,) + tuple(src.shape[1:])).copy_(src[i0:i1])
+        o += n
+    if b > i1 * inner:  # tail
+        _copy_flat_range(src[i1], 0, b - i1 * inner, dst[o:])
+
+
+# -- plans ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every rank of one call does: ``off`` (one all-to-all) or ``chunked`` in ``chunks`` calls."""
+
+    policy: str
+    chunks: int
+    reason: str
+    requested: str
+    cache: bool = True  # False for fallbacks caused by disagreement (re-agreed next call)
+    error: str = ""  # non-empty: raise TransportError (every rank alike) when used
+
+
+def _cuts(size: int, k: int) -> list[int]:
+    return [(c * size) // k for c in range(k + 1)]
+
+
+def chunk_rows(splits: Sequence[int], k: int) -> list[list[int]]:
+    """Rows per peer of each of ``k`` chunks (chunk c of a segment of S rows: [cS/k, (c+1)S/k))."""
+    cuts = [_cuts(int(s), k) for s in splits]
+    return [[c[i + 1] - c[i] for c in cuts] for i in range(k)]
+
+
+def staging_bytes(in_splits: Sequence[int], out_splits: Sequence[int], row_bytes: int, k: int) -> int:
+    """Bound on the staging one rank allocates for ``k`` chunks: send stages (2 when pipelined) + one
+    receive stage, each at most ``sum ceil(split / k)`` rows (the exact chunks never exceed it)."""
+    s = sum(-(-int(v) // k) for v in in_splits)
+    r = sum(-(-int(v) // k) for v in out_splits)
+    return (min(k, 2) * s + r) * row_bytes
+
+
+def chunks_needed(in_splits: Sequence[int], out_splits: Sequence[int], row_bytes: int, capacity: int) -> int:
+    """The fewest chunks whose staging fits ``capacity``; -1 when even one row per peer does not."""
+    if staging_bytes(in_splits, out_splits, row_bytes, 1) <= capacity:
+        return 1
+    hi = max([1, *in_splits, *out_splits])
+    if staging_bytes(in_splits, out_splits, row_bytes, hi) > capacity:
+        return -1
+    lo = 1  # staging(k) for k >= 2 is non-increasing in k: the first k that fits
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if staging_bytes(in_splits, out_splits, row_bytes, mid) <= capacity:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+_FIXED = ("version", "policy", "long", "capacity", "threshold", "capable", "dtype", "row_elems", "elem_size",
+          "grad", "planes")
+
+
+def _vector(s: TransportSettings, capable: bool, src, ins, outs, grad: bool) -> list[int]:
+    row_elems = 1
+    for d in src.row_shape:
+        row_elems *= int(d)
+    return [_VERSION, POLICIES.index(s.policy), LONG_TRAINING.index(s.long_training), s.capacity_bytes,
+            s.grad_threshold_bytes, int(capable), zlib.crc32(str(src.dtype).encode()), row_elems,
+            torch.empty((), dtype=src.dtype).element_size(), int(grad), src.planes, *ins, *outs]
+
+
+def decide(vectors: list[list[int]], transpose: bool = False) -> Plan:
+    """The plan every rank derives from the gathered vectors (pure; the same on every rank)."""
+    n, f = len(vectors), len(_FIXED)
+    rows = [dict(zip(_FIXED, v[:f])) for v in vectors]
+    ins = [list(v[f : f + n]) for v in vectors]
+    outs = [list(v[f + n : f + 2 * n]) for v in vectors]
+    if transpose:
+        ins, outs = outs, ins
+    requested = POLICIES[rows[0]["policy"]]
+    for what in ("version", "dtype", "row_elems", "elem_size"):
+        if len({r[what] for r in rows}) > 1:
+            return Plan("off", 1, "", requested, False, f"ranks disagree on the operand's {what}: "
+                        + ", ".join(f"rank {i}: {r[what]}" for i, r in enumerate(rows)))
+    bad = [(r, p) for r in range(n) for p in range(n) if ins[r][p] != outs[p][r]]
+    if bad:
+        r, p = bad[0]
+        return Plan("off", 1, "", requested, False,
+                    f"ranks disagree on split sizes: rank {r} sends {ins[r][p]} rows to rank {p}, "
+                    f"which expects {outs[p][r]}")
+    settings = [(r["policy"], r["long"], r["capacity"], r["threshold"]) for r in rows]
+    if len(set(settings)) > 1:
+        desc = "; ".join(f"rank {i}: {POLICIES[s[0]]}, long-training {LONG_TRAINING[s[1]]}, capacity {s[2]}, "
+                         f"threshold {s[3]}" for i, s in enumerate(settings))
+        return Plan("off", 1, f"ranks disagree on transport settings ({desc}): every rank uses off",
+                    requested, False)
+    if requested == "off":
+        return Plan("off", 1, "policy off", requested)
+    incapable = [i for i, r in enumerate(rows) if not r["capable"]]
+    if incapable:
+        return Plan("off", 1, f"rank(s) {incapable} cannot run the chunked transport: every rank uses off",
+                    requested, False)
+    row_bytes = rows[0]["row_elems"] * rows[0]["elem_size"]
+    cap, threshold, long = rows[0]["capacity"], rows[0]["threshold"], LONG_TRAINING[rows[0]["long"]]
+    needs = [chunks_needed(i, o, row_bytes, cap) for i, o in zip(ins, outs)]
+    k = max(needs)
+    if requested == "chunked":
+        if min(needs) < 0:
+            r = needs.index(-1)
+            return Plan("off", 1, "", requested, True,
+                        f"capacity {cap} bytes is below one row per peer on rank {r} "
+                        f"(row {row_bytes} bytes, staging needs {staging_bytes(ins[r], outs[r], row_bytes, max([1, *ins[r], *outs[r]]))} "
+                        f"bytes at one row per peer): raise DITSP_A2A_CAPACITY_BYTES or use off/auto")
+        return Plan("chunked", k, f"policy chunked: {k} chunk(s) within {cap} bytes", requested)
+    grad = any(r["grad"] for r in rows)
+    plane = max(sum(i) * row_bytes // max(1, r["planes"]) for i, r in zip(ins, rows))
+    if grad and plane > threshold and long != "chunked":
+        return Plan("off", 1, f"auto: grad-tracked operand of {plane} bytes per plane > {threshold}: original "
+                    "transport (long-training opt-in: chunked)", requested)
+    if min(needs) < 0:
+        return Plan("off", 1, f"auto: capacity {cap} bytes is below one row per peer: original transport",
+                    requested)
+    if k > 1:
+        return Plan("chunked", k, f"auto: operand exceeds {cap} bytes of staging: {k} chunks", requested)
+    return Plan("off", 1, f"auto: fits {cap} bytes of staging: one all-to-all", requested)
+
+
+# -- per-Comm state ----------------------------------------------------------------
+
+
+class Transport:
+    """One Comm's transport: its settings, agreed plans (per key), what the last call used."""
+
+    def __init__(self, comm: Comm):
+        self.comm = weakref.ref(comm)
+        self.explicit: TransportSettings | None = None
+        self.capable = True  # this rank can run chunked (tests flip it to simulate a rank that cannot)
+        self.last: dict = {}
+        self.agreements = 0
+        self._agreed: dict = {}
+        self._said: set = set()
+
+    @property
+    def settings(self) -> TransportSettings:
+        return self.explicit or _DEFAULT or TransportSettings.resolve()
+
+    def clear(self) -> None:
+        self._agreed.clear()
+
+    def plan(self, src, ins, outs, grad: bool, key: Hashable | None) -> tuple[Plan, Plan]:
+        comm = self.comm()
+        s = self.settings
+        vec = _vector(s, self.capable, src, ins, outs, grad)
+        # The cache key holds only what changes on every rank together: the caller's key (the global
+        # exchange), this rank's settings, dtype and row shape, and whether a backward pass is running.
+        # Not the grad flag: it may differ per rank (an empty shard) and change on one rank alone.
+        ck = None if key is None or s.agree == "every" else (
+            key, tuple(vec[:9]), torch._C._current_graph_task_id() != -1)
+        if ck is not None and ck in self._agreed:
+            return self._agreed[ck]
+        vecs = comm.all_gather_ints(vec)
+        self.agreements += 1
+        plans = (decide(vecs), decide(vecs, transpose=True))
+        fwd = plans[0]
+        if fwd.error:
+            raise TransportError(f"rank {comm.rank}: {fwd.error}")
+        if not fwd.cache and fwd.reason not in self._said:
+            self._said.add(fwd.reason)
+            log.warning("all-to-all transport: %s", fwd.reason)
+        if ck is not None and fwd.cache:
+            if len(self._agreed) >= _CACHE_MAX:  # every rank clears at the same call
+                self._agreed.clear()
+            self._agreed[ck] = plans
+        return plans
+
+
+_TRANSPORTS: "weakref.WeakKeyDictionary[Comm, Transport]" = weakref.WeakKeyDictionary()
+
+
+def transport_of(comm: Comm) -> Transport:
+    t = _TRANSPORTS.get(comm)
+    if t is None:
+        t = _TRANSPORTS[comm] = Transport(comm)
+    return t
+
+
+def report(comm: Comm) -> dict:
+    """What the last transport call on ``comm`` used: policy, chunks, reason, settings and their sources."""
+    return dict(transport_of(comm).last)
+
+
+def matrix_key(counts) -> bytes:
+    """A key for a global count matrix (every rank holds the same one)."""
+    import numpy as np
+
+    a = np.ascontiguousarray(counts, dtype=np.int64)
+    return hashlib.sha1(a.tobytes() + str(a.shape).encode()).digest()
+
+
+def shape_key(chunks, shapes) -> tuple:
+    """A key for a codec exchange from what each rank sends (per peer) and receives (per peer)."""
+    return (tuple(tuple(c.shape) for per in chunks for c in per), tuple(tuple(s) for per in shapes for s in per))
+
+
+# -- execution ---------------------------------------------------------------------
+
+
+def _run_off(comm: Comm, src, ins, outs, kind, recv_order):
+    packed, copied = src.materialize()
+    out_bytes = sum(outs) * _row_bytes(src)
+    staged = (packed.numel() * packed.element_size() if copied else 0) + (out_bytes if recv_order is not None else 0)
+    comm.staging(staged)
+    try:
+        out = comm.all_to_all_single(packed, ins, outs, kind=kind)
+        del packed
+        if recv_order is not None:
+            out = out.index_select(0, recv_order)
+    finally:
+        comm.staging(-staged)
+    return out
+
+
+def _row_bytes(src) -> int:
+    n = torch.empty((), dtype=src.dtype).element_size()
+    for d in src.row_shape:
+        n *= int(d)
+    return n
+
+
+def _run_chunked(comm: Comm, src, ins, outs, k: int, kind, recv_order):
+    n, shape = len(ins), src.row_shape
+    send_c, recv_c = chunk_rows(ins, k), chunk_rows(outs, k)
+    smax, rmax = max(sum(c) for c in send_c), max(sum(c) for c in recv_c)
+    nsend = 2 if k > 1 else 1
+    out = torch.empty((sum(outs),) + shape, dtype=src.dtype, device=src.device)
+    sbufs = [torch.empty((smax,) + shape, dtype=src.dtype, device=src.device) for _ in range(nsend)]
+    rbuf = torch.empty((rmax,) + shape, dtype=src.dtype, device=src.device)
+    staged = (nsend * smax + rmax) * _row_bytes(src)
+    comm.staging(staged)
+    in_off, out_off = [0], [0]
+    for a in ins:
+        in_off.append(in_off[-1] + a)
+    for a in outs:
+        out_off.append(out_off[-1] + a)
+    in_cuts, out_cuts = [_cuts(s, k) for s in ins], [_cuts(s, k) for s in outs]
+    inv = None
+    if recv_order is not None:  # out[i] = received[recv_order[i]]  <=>  out[inv[j]] = received[j]
+        inv = torch.empty_like(recv_order)
+        inv[recv_order] = torch.arange(recv_order.numel(), device=recv_order.device, dtype=recv_order.dtype)
+
+    def pack(c):
+        buf, o = sbufs[c % nsend], 0
+        for p in range(n):
+            a, b = in_cuts[p][c], in_cuts[p][c + 1]
+            if b > a:
+                src.copy_rows(in_off[p] + a, in_off[p] + b, buf[o : o + b - a])
+                o += b - a
+        return buf[:o]
+
+    def unpack(c):
+        o = 0
+        for p in range(n):
+            a, b = out_cuts[p][c], out_cuts[p][c + 1]
+            if b > a:
+                if inv is None:
+                    out[out_off[p] + a : out_off[p] + b].copy_(rbuf[o : o + b - a])
+                else:
+                    out.index_copy_(0, inv[out_off[p] + a : out_off[p] + b], rbuf[o : o + b - a])
+                o += b - a
+
+    def post(c, packed):
+        return comm.all_to_all_single_async(rbuf[: sum(recv_c[c])], packed, recv_c[c], send_c[c], kind=kind)
+
+    try:
+        work = post(0, pack(0))
+        for c in range(1, k):
+            packed = pack(c)  # overlaps chunk c-1 in flight
+            if work is not None:
+                work.wait()
+            unpack(c - 1)
+            work = post(c, packed)
+        if work is not None:
+            work.wait()
+        unpack(k - 1)
+    finally:
+        comm.staging(-staged)
+    return out
+
+
+def _execute(comm: Comm, plan: Plan, src, ins, outs, kind, recv_order):
+    if plan.error:
+        raise TransportError(f"rank {comm.rank}: {plan.error}")
+    if plan.policy == "chunked":
+        return _run_chunked(comm, src, ins, outs, plan.chunks, kind, recv_order)
+    return _run_off(comm, src, ins, outs, kind, recv_order)
+
+
+class _A2A(torch.autograd.Function):
+    """Differentiable packed all-to-all; the backward runs the transposed exchange with the saved plan."""
+
+    @staticmethod
+    def forward(ctx, comm, plan, plan_t, ins, outs, kind, x):
+        ctx.saved = (comm, plan_t, ins, outs, kind)
+        return _execute(comm, plan, Rows(x), ins, outs, kind, None)
+
+    @staticmethod
+    def backward(ctx, g):
+        comm, plan_t, ins, outs, kind = ctx.saved
+        return (None,) * 6 + (_execute(comm, plan_t, Rows(g.contiguous()), outs, ins, kind + "_bwd", None),)
+
+
+def all_to_all(comm: Comm, send, input_splits: Sequence[int], output_splits: Sequence[int],
+               kind: str = "all_to_all", *, recv_order: torch.Tensor | None = None,
+               key: Hashable | None = None, grad: bool | None = None) -> torch.Tensor:
+    """Move packed rows: ``input_splits[p]`` rows to peer p, ``output_splits[r]`` rows from rank r.
+
+    ``send``: a tensor (its rows are the packed buffer), :class:`Rows` (rows picked by an index) or
+    :class:`Concat` (flattened tensors back to back, 1-D rows). ``recv_order``: return
+    ``received[recv_order]`` instead of the received rows in peer order. ``key``: a hashable that
+    determines the global exchange on every rank (e.g. :func:`matrix_key`); with it the agreement is
+    cached, without it every call agrees. ``grad``: whether the operand belongs to training (default:
+    it requires grad, or this runs inside a backward pass). Returns a new tensor.
+    """
+    src = send if isinstance(send, (Rows, Concat)) else Rows(send)
+    ins, outs = [int(v) for v in input_splits], [int(v) for v in output_splits]
+    if len(ins) != comm.world_size or len(outs) != comm.world_size:
+        raise ValueError(f"splits need {comm.world_size} entries, got {len(ins)} and {len(outs)}")
+    if sum(ins) != src.rows:
+        raise ValueError(f"rank {comm.rank}: input splits sum to {sum(ins)} rows, the operand has {src.rows}")
+    tracked = src.requires_grad and torch.is_grad_enabled()
+    if grad is None:
+        grad = src.requires_grad or torch._C._current_graph_task_id() != -1
+    if comm.world_size == 1:
+        plans = (Plan("off", 1, "one rank", "off"),) * 2
+        t = None
+    else:
+        t = transport_of(comm)
+        plans = t.plan(src, ins, outs, bool(grad), key)
+    plan = plans[0]
+    if tracked:
+        packed = src.materialize()[0] if isinstance(src, Concat) or src.index is not None else src.x
+        out = _A2A.apply(comm, plan, plans[1], ins, outs, kind, packed)
+        if recv_order is not None:
+            out = out.index_select(0, recv_order)
+    else:
+        out = _execute(comm, plan, src, ins, outs, kind, recv_order)
+    if t is not None:
+        s = t.settings
+        t.last = {"policy": plan.policy, "chunks": plan.chunks, "requested": plan.requested, "reason": plan.reason,
+                  "capacity_bytes": s.capacity_bytes, "long_training": s.long_training,
+                  "sources": dict(s.sources), "kind": kind}
+    return out

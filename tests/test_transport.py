@@ -1,0 +1,246 @@
+"""ditsp.dist.transport: chunked vs off (bitwise, forward and gradients), capacity, agreement and fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ditsp.config import ParallelConfig, ParallelConfigError
+from ditsp.dist import transport as tp
+from ditsp.dist.comm import Comm
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _splits(rank: int, n: int, seed: int, empty: bool):
+    """A consistent random count matrix (rows r -> p); with ``empty``, rank n-1 sends and receives nothing."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randint(0, 9, (n, n), generator=g)
+    if empty:
+        m[n - 1, :] = 0
+        m[:, n - 1] = 0
+    return m, [int(v) for v in m[rank]], [int(v) for v in m[:, rank]]
+
+
+def rank_rows(ctx, seed, empty, dtype, capacity, recv_perm):
+    """One exchange of rows under off and chunked: outputs, input gradients, staging peaks, counts."""
+    torch.manual_seed(100 + ctx.rank)
+    n = ctx.world_size
+    m, ins, outs = _splits(ctx.rank, n, seed, empty)
+    rows, width = sum(ins), 5
+    x = torch.randn(rows + 3, width).to(dtype)  # 3 rows never sent
+    index = torch.randperm(rows + 3)[:rows]
+    order = torch.randperm(sum(outs)) if recv_perm else None
+    w = torch.randn(sum(outs), width).to(dtype)
+    res = {}
+    for policy in ("off", "chunked"):
+        comm = Comm(ctx.group)
+        tp.configure(comm, tp.TransportSettings(policy=policy, capacity_bytes=capacity))
+        xg = x.clone().requires_grad_(True)
+        out = tp.all_to_all(comm, tp.Rows(xg, index), ins, outs, "t", recv_order=order, key=tp.matrix_key(m))
+        (out.float() * w.float()).sum().backward()
+        peak = comm.staging_peak()
+        nograd = tp.all_to_all(comm, tp.Rows(x, index), ins, outs, "t", recv_order=order, key=tp.matrix_key(m))
+        res[policy] = {"out": out.detach(), "grad": xg.grad, "nograd": nograd, "report": tp.report(comm),
+                       "peak": max(peak, comm.staging_peak()), "stats": comm.stats.as_dict()}
+    return res
+
+
+@pytest.mark.parametrize("n,seed,empty,dtype,capacity,perm", [
+    (2, 0, False, torch.float32, 200, False),
+    (2, 1, True, torch.bfloat16, 40, True),
+    (3, 2, False, torch.float32, 200, True),
+    (3, 3, True, torch.bfloat16, 64, False),
+])
+def test_chunked_rows_bitwise_equal_off_with_grads(clusters, n, seed, empty, dtype, capacity, perm):
+    for r in clusters(n).run(rank_rows, seed, empty, dtype, capacity, perm):
+        off, ch = r["off"], r["chunked"]
+        assert torch.equal(off["out"], ch["out"]) and torch.equal(off["nograd"], ch["nograd"])
+        assert torch.equal(off["grad"], ch["grad"])
+        assert ch["report"]["policy"] == "chunked" and ch["report"]["chunks"] > 1
+        assert ch["peak"] <= capacity  # staging never exceeds the capacity
+        assert off["report"]["policy"] == "off"
+        # the same bytes; more calls
+        assert off["stats"]["t"]["bytes_sent"] == ch["stats"]["t"]["bytes_sent"]
+        assert ch["stats"]["t"]["calls"] > off["stats"]["t"]["calls"]
+
+
+def rank_ulysses(ctx, lens, heads, kv_heads, dtype, policy, capacity):
+    from ditsp.attention.ulysses import head_plan, to_heads, to_seq
+
+    torch.manual_seed(7 + ctx.rank)
+    comm = Comm(ctx.group)
+    tp.configure(comm, tp.TransportSettings(policy=policy, capacity_bytes=capacity))
+    s = lens[ctx.rank]
+    q = torch.randn(2, s, heads, 8).to(dtype).requires_grad_(True)
+    k = torch.randn(2, s, kv_heads, 8).to(dtype).requires_grad_(True)
+    v = torch.randn(2, s, kv_heads, 8).to(dtype).requires_grad_(True)
+    plan = head_plan(heads, kv_heads, ctx.world_size)
+    hq, hk, hv = to_heads(comm, plan, lens, q, k, v)
+    mixed = hq * 1.5 + (hk.sum() + hv.sum()) * 0.25
+    out = to_seq(comm, plan, lens, mixed)
+    out.float().pow(2).sum().backward()
+    return {"out": out.detach(), "grads": [t.grad for t in (q, k, v)], "report": tp.report(comm),
+            "peak": comm.staging_peak(), "calls": comm.stats.as_dict()["ulysses_a2a"]["calls"]}
+
+
+@pytest.mark.parametrize("n,lens,heads,kv_heads,dtype", [
+    (2, [33, 31], 4, 2, torch.float32),
+    (3, [20, 0, 17], 5, 5, torch.bfloat16),  # an empty rank, heads not dividing the degree
+])
+def test_ulysses_chunked_bitwise_equal_off(clusters, n, lens, heads, kv_heads, dtype):
+    off = clusters(n).run(rank_ulysses, lens, heads, kv_heads, dtype, "off", 1 << 30)
+    capacity = 2048
+    ch = clusters(n).run(rank_ulysses, lens, heads, kv_heads, dtype, "chunked", capacity)
+    for a, b in zip(off, ch):
+        assert torch.equal(a["out"], b["out"])
+        assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
+        assert b["peak"] <= capacity and b["calls"] > a["calls"] == 2
+        assert b["report"]["policy"] == "chunked"
+
+
+def rank_ownership(ctx):
+    comm = Comm(ctx.group)
+    tp.configure(comm, tp.TransportSettings(policy="chunked", capacity_bytes=64))
+    splits = [6, 6]
+    a = tp.all_to_all(comm, torch.full((12, 2), float(ctx.rank)), splits, splits, key="k")
+    keep = a.clone()
+    b = tp.all_to_all(comm, torch.full((12, 2), 9.0), splits, splits, key="k")
+    return torch.equal(a, keep), a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+
+
+def test_outputs_own_their_storage(clusters):
+    assert clusters(2).run(rank_ownership) == [(True, True)] * 2
+
+
+def rank_tiny_capacity(ctx, policy):
+    comm = Comm(ctx.group)
+    tp.configure(comm, tp.TransportSettings(policy=policy, capacity_bytes=8))  # < 3 rows of 4 floats
+    x = torch.ones(4, 4)
+    try:
+        out = tp.all_to_all(comm, x, [2, 2], [2, 2], key="tiny")
+    except tp.TransportError as e:
+        return "error", str(e)
+    return tp.report(comm)["policy"], torch.equal(out, x)
+
+
+def test_capacity_below_one_row_per_peer(clusters):
+    res = clusters(2).run(rank_tiny_capacity, "chunked")
+    assert all(kind == "error" and "below one row per peer" in msg for kind, msg in res)  # every rank raises
+    assert clusters(2).run(rank_tiny_capacity, "auto") == [("off", True)] * 2  # auto keeps the original path
+
+
+def rank_disagree(ctx):
+    """Rank 1 asks for another capacity, then a rank cannot chunk: every rank falls back to off; then recover."""
+    comm = Comm(ctx.group)
+    x = torch.arange(40.0).reshape(20, 2) + 100 * ctx.rank
+    seen = []
+
+    def call():
+        out = tp.all_to_all(comm, x, [10, 10], [10, 10], key="d")
+        seen.append((tp.report(comm)["policy"], tp.report(comm)["reason"].split(":")[0]))
+        return out
+
+    tp.configure(comm, tp.TransportSettings(policy="chunked", capacity_bytes=64 if ctx.rank else 96))
+    ref = call()
+    tp.configure(comm, tp.TransportSettings(policy="chunked", capacity_bytes=64))  # both agree now
+    same = torch.equal(call(), ref)
+    transport = tp.transport_of(comm)
+    transport.capable = ctx.rank == 0
+    transport.clear()
+    call()
+    transport.capable = True
+    call()
+    tp.configure(comm, tp.TransportSettings(policy="off" if ctx.rank else "chunked", capacity_bytes=64))
+    call()
+    return seen, same
+
+
+def test_disagreement_falls_back_on_every_rank_then_recovers(clusters):
+    for seen, same in clusters(2).run(rank_disagree, timeout_s=30):
+        assert same
+        assert [p for p, _ in seen] == ["off", "chunked", "off", "chunked", "off"]
+        assert seen[0][1].startswith("ranks disagree on transport settings")
+        assert "cannot run the chunked transport" in seen[2][1]
+
+
+def rank_geometry(ctx):
+    comm = Comm(ctx.group)
+    x = torch.zeros(5 if ctx.rank else 4, 2)
+    splits = [2, 3] if ctx.rank else [2, 2]
+    try:
+        tp.all_to_all(comm, x, splits, [2, 2], key="g")
+    except tp.TransportError as e:
+        return str(e)
+    return "no error"
+
+
+def test_geometry_disagreement_raises_on_every_rank(clusters):
+    assert all("disagree on split sizes" in m for m in clusters(2).run(rank_geometry, timeout_s=30))
+
+
+def rank_cached(ctx):
+    comm = Comm(ctx.group)
+    tp.configure(comm, tp.TransportSettings(policy="chunked", capacity_bytes=256))
+    x = torch.ones(40, 2)
+    for _ in range(3):
+        tp.all_to_all(comm, x, [20, 20], [20, 20], key="c")
+    keyed = tp.transport_of(comm).agreements
+    for _ in range(2):
+        tp.all_to_all(comm, x, [20, 20], [20, 20])  # no key: agree every call
+    return keyed, tp.transport_of(comm).agreements, comm.stats.as_dict()["transport_agree"]["calls"]
+
+
+def test_agreement_cached_per_key(clusters):
+    assert clusters(2).run(rank_cached) == [(1, 3, 3)] * 2
+
+
+def test_env_vs_config_precedence():
+    env = {tp.ENV_POLICY: "chunked", tp.ENV_LONG: "chunked", tp.ENV_CAPACITY: "4096"}
+    s = tp.TransportSettings.resolve(None, env)
+    assert (s.policy, s.long_training, s.capacity_bytes) == ("chunked", "chunked", 4096)
+    assert dict(s.sources) == {"policy": "env", "long_training": "env", "capacity_bytes": "env"}
+    cfg = ParallelConfig(ulysses_a2a="off", a2a_capacity_bytes=123)
+    s = tp.TransportSettings.resolve(cfg, env)
+    assert (s.policy, s.long_training, s.capacity_bytes) == ("off", "chunked", 123)
+    assert dict(s.sources)["policy"] == "config" and dict(s.sources)["long_training"] == "env"
+    s = tp.TransportSettings.resolve(None, {})
+    assert (s.policy, s.long_training, s.capacity_bytes) == ("auto", "auto", tp.DEFAULT_CAPACITY)
+    with pytest.raises(ValueError, match="policy from env"):
+        tp.TransportSettings.resolve(None, {tp.ENV_POLICY: "fast"})
+    with pytest.raises(ValueError, match="DITSP_A2A_CAPACITY_BYTES"):
+        tp.TransportSettings.resolve(None, {tp.ENV_CAPACITY: "lots"})
+    with pytest.raises(ParallelConfigError, match="ulysses_a2a"):
+        ParallelConfig(ulysses_a2a="fast")
+    with pytest.raises(ParallelConfigError, match="a2a_capacity_bytes"):
+        ParallelConfig(a2a_capacity_bytes=0)
+
+
+def _vectors(policy, long, grad, rows, capacity, threshold=1000, row_bytes=4):
+    s = tp.TransportSettings(policy=policy, long_training=long, capacity_bytes=capacity,
+                             grad_threshold_bytes=threshold)
+
+    class Src:
+        row_shape, dtype, planes = (row_bytes // 4,), torch.float32, 1
+
+    return [tp._vector(s, True, Src, [rows, rows], [rows, rows], grad) for _ in range(2)]
+
+
+def test_long_training_threshold():
+    # 600 rows x 4 B x 2 peers = 4800 B per plane > threshold 1000 B; capacity forces chunks.
+    assert tp.decide(_vectors("auto", "auto", False, 600, 4000)).policy == "chunked"  # no grad: tuned
+    p = tp.decide(_vectors("auto", "auto", True, 600, 4000))
+    assert p.policy == "off" and "grad-tracked" in p.reason  # conservative default
+    assert tp.decide(_vectors("auto", "chunked", True, 600, 4000)).policy == "chunked"  # opt-in
+    assert tp.decide(_vectors("auto", "auto", True, 100, 4000)).policy == "off"  # fits: one call
+    assert tp.decide(_vectors("auto", "auto", True, 200, 1200, threshold=10**6)).policy == "chunked"  # below
+    assert tp.decide(_vectors("chunked", "auto", True, 600, 4000)).policy == "chunked"  # explicit policy
+
+
+def test_chunk_plan_fits_capacity():
+    for ins, outs, cap in [([100, 3, 0], [7, 50, 9], 300), ([1, 1], [1, 1], 16), ([0, 0], [0, 0], 4)]:
+        k = tp.chunks_needed(ins, outs, 4, cap)
+        assert k >= 1 and tp.staging_bytes(ins, outs, 4, k) <= cap
+        exact = tp.chunk_rows(ins, k)
+        assert [sum(c[p] for c in exact) for p in range(len(ins))] == ins
+    assert tp.chunks_needed([5, 5], [5, 5], 4, 8) == -1 and tp.chunks_needed([1, 1], [1, 1], 4, 12) == -1
