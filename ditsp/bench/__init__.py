@@ -24,4 +24,5 @@ def add_parser(sub) -> argparse.ArgumentParser:
     from . import elastic  # noqa: E402
     elastic.add_parser(bsub)
     __import__(f"{__name__}.sparse", fromlist=["add_parser"]).add_parser(bsub)
+    __import__(f"{__name__}.transport", fromlist=["add_parser"]).add_parser(bsub)
     return p

@@ -458,8 +458,9 @@ def _run_chunked(comm: Comm, src, ins, outs, k: int, kind, recv_order):
     nsend = 2 if k > 1 else 1
     out = torch.empty((sum(outs),) + shape, dtype=src.dtype, device=src.device)
     sbufs = [torch.empty((smax,) + shape, dtype=src.dtype, device=src.device) for _ in range(nsend)]
-    rbuf = torch.empty((rmax,) + shape, dtype=src.dtype, device=src.device)
-    staged = (nsend * smax + rmax) * _row_bytes(src)
+    direct = k == 1 and recv_order is None  # one chunk in peer order: receive straight into the output
+    rbuf = out if direct else torch.empty((rmax,) + shape, dtype=src.dtype, device=src.device)
+    staged = (nsend * smax + (0 if direct else rmax)) * _row_bytes(src)
     comm.staging(staged)
     in_off, out_off = [0], [0]
     for a in ins:
@@ -482,6 +483,8 @@ def _run_chunked(comm: Comm, src, ins, outs, k: int, kind, recv_order):
         return buf[:o]
 
     def unpack(c):
+        if direct:
+            return
         o = 0
         for p in range(n):
             a, b = out_cuts[p][c], out_cuts[p][c + 1]
