@@ -95,7 +95,7 @@ def rank_bench(ctx, cfg: dict) -> list[dict]:
 
     torch.set_num_threads(cfg["threads"])
     dtype = getattr(torch, DTYPES[cfg["dtype"]])
-    cases = [(f"ulysses {n / 1000:g}k tokens", n, _ulysses_case(ctx, n, cfg["heads"], cfg["head_dim"], dtype))
+    cases = [(f"ulysses {n // 1024 if n % 1024 == 0 else n / 1000:g}k tokens", n, _ulysses_case(ctx, n, cfg["heads"], cfg["head_dim"], dtype))
              for n in cfg["tokens"]]
     if cfg["window_grid"]:
         grid = tuple(cfg["window_grid"])
@@ -113,6 +113,7 @@ def rank_bench(ctx, cfg: dict) -> list[dict]:
             for policy, comm in comms.items():
                 comm.stats.reset()
                 comm.staging_peak(reset=True)
+                tp.transport_of(comm).used.clear()
                 _barrier(comm)
                 peak_mem.start()
                 t0 = time.perf_counter()
@@ -130,6 +131,7 @@ def rank_bench(ctx, cfg: dict) -> list[dict]:
                 r["calls"] = sum(v["calls"] for k, v in st.items() if k.startswith(("ulysses", "window")))
                 r["staging"] = comm.staging_peak()
                 r["report"] = tp.report(comm)
+                r["used"] = "+".join(f"{p}x{n}" for p, n in sorted(tp.transport_of(comm).used.items()))
         # The agreement alone: the same small all-gather the transport issues on a new key.
         c = comms[cfg["policies"][0]]
         n_ints = 11 + 2 * ctx.world_size
@@ -145,7 +147,7 @@ def rank_bench(ctx, cfg: dict) -> list[dict]:
                          "median": statistics.median(r["times"]), "min": min(r["times"]), "agree": agree_s,
                          "sent": r["sent"], "calls": r["calls"], "staging": r["staging"],
                          "rss": max(r["rss"][1:] or r["rss"]), "chunks": r["report"].get("chunks", 1),
-                         "used": r["report"].get("policy", "off")})
+                         "used": r["used"]})
     return rows
 
 
@@ -172,7 +174,7 @@ def format_table(rows: list[dict], cfg: dict) -> str:
         f"--window-grid {','.join(map(str, cfg['window_grid'])) if cfg['window_grid'] else ''} "
         f"--window-width {cfg['window_width']} --repeats {cfg['repeats']}`",
         "",
-        "| case | policy (used) | first call ms (incl. agreement) | median ms | min ms | median vs "
+        "| case | policy (used x transport calls) | first call ms (incl. agreement) | median ms | min ms | median vs "
         f"{cfg['policies'][0]} | agreement ms (% of median) | MiB sent | calls | staging peak MiB | RSS peak MiB |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]

@@ -361,6 +361,7 @@ class Transport:
         self.capable = True  # this rank can run chunked (tests flip it to simulate a rank that cannot)
         self.last: dict = {}
         self.agreements = 0
+        self.used: dict = {}  # policy -> calls that used it (cleared by the caller at will)
         self._agreed: dict = {}
         self._said: set = set()
 
@@ -576,4 +577,5 @@ def all_to_all(comm: Comm, send, input_splits: Sequence[int], output_splits: Seq
         t.last = {"policy": plan.policy, "chunks": plan.chunks, "requested": plan.requested, "reason": plan.reason,
                   "capacity_bytes": s.capacity_bytes, "long_training": s.long_training,
                   "sources": dict(s.sources), "kind": kind}
+        t.used[plan.policy] = t.used.get(plan.policy, 0) + 1
     return out
