@@ -244,3 +244,19 @@ def test_chunk_plan_fits_capacity():
         exact = tp.chunk_rows(ins, k)
         assert [sum(c[p] for c in exact) for p in range(len(ins))] == ins
     assert tp.chunks_needed([5, 5], [5, 5], 4, 8) == -1 and tp.chunks_needed([1, 1], [1, 1], 4, 12) == -1
+
+
+def rank_one_chunk(ctx):
+    comm = Comm(ctx.group)
+    x = torch.randn(7, 3) + ctx.rank
+    ins, outs = ([3, 4], [3, 5]) if ctx.rank == 0 else ([5, 2], [4, 2])
+    got = {}
+    for policy in ("off", "chunked"):
+        tp.configure(comm, tp.TransportSettings(policy=policy))
+        got[policy] = tp.all_to_all(comm, x, ins, outs, key="one")
+    return torch.equal(got["off"], got["chunked"]), tp.report(comm)["chunks"], comm.staging_peak()
+
+
+def test_one_chunk_receives_into_the_output(clusters):
+    for same, chunks, peak in clusters(2).run(rank_one_chunk):
+        assert same and chunks == 1 and peak <= 7 * 3 * 4  # the send stage only
