@@ -29,7 +29,7 @@ def test_configs_of_the_shipped_sets():
     from ditsp.models.seedvr2.nadit import TINY
     assert cfg3 == TINY
     assert detect_kind(read_config(SET_7B)) == detect_kind(read_config(SET_3B)) == "nadit"
-    assert set(CHECKERS) == {"nadit"}
+    assert set(CHECKERS) == {"nadit", "vae", "pipeline"}
 
 
 @torch.no_grad()
@@ -82,7 +82,7 @@ def test_verify_rejects_what_it_cannot_check(tmp_path):
     with pytest.raises(VectorSetError, match="no config.json"):
         verify_vectors(tmp_path)
     (tmp_path / "config.json").write_text('{"model": "SeedVR2 causal video VAE", "latent_channels": 16}')
-    with pytest.raises(VectorSetError, match="no checker for vae"):
+    with pytest.raises(VectorSetError, match="does not describe a VAE"):
         verify_vectors(tmp_path)
 
 

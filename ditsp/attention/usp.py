@@ -161,8 +161,12 @@ class SPAttention:
         u, r = config.ulysses_degree, config.ring_degree
         outer = "allgather" if config.use_allgather else "ring"
         name = "ulysses" if r == 1 else (outer if u == 1 else f"usp-{outer}")
-        return cls(groups.ulysses, groups.ring, groups.sp, outer, not config.ulysses_a2a_permute,
+        attn = cls(groups.ulysses, groups.ring, groups.sp, outer, not config.ulysses_a2a_permute,
                    not config.advanced_uaa, name, backend)
+        from ..dist.transport import configure
+
+        configure(attn.u, config)  # the Ulysses transport policy of this config (every rank alike)
+        return attn
 
     def __call__(self, q, k, v, text_len: int = 0, joint: str = "front",
                  seq_lens: Sequence[int] | None = None, scale: float | None = None) -> torch.Tensor:

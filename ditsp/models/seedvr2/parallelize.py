@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ...config import ParallelConfig, ParallelConfigError
 from ...dist.comm import Comm
+from ...dist.transport import configure
 from ...sp import SPRuntime, UlyssesWindowRuntime, WindowRuntime
 from .nadit.config import NaDiTConfig
 
@@ -45,6 +46,7 @@ def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: 
         raise ParallelConfigError(
             f"window-aligned SP degree {pc.sp_degree} needs an SP group of {pc.sp_degree} ranks, got {world}")
     comm = Comm.of(group)
+    configure(comm, pc)  # the exchange's transport policy (chunked all-to-all) of this config
     path = path or pc.window_path
     if path == "auto":
         return _auto(cfg, grid, comm)

@@ -222,7 +222,10 @@ def _load_vae(directory: str):
     from .vae.fixtures import seeded_vae
 
     cfg_json = read_config(directory)
-    cfg = VaeConfig.from_json(Path(directory) / "config.json")
+    try:
+        cfg = VaeConfig.from_json(Path(directory) / "config.json")
+    except (KeyError, TypeError, ValueError) as e:
+        raise VectorSetError(f"{directory}: config.json does not describe a VAE ({type(e).__name__}: {e})") from None
     weights = Path(directory) / "weights.safetensors"
     if weights.is_file():
         from .vae.model import VideoVAE
