@@ -86,9 +86,10 @@ class _Walk:
             self.state += self.size(cin, kt - 1, h, w)
         t2 = t if st == 1 else (t - 1) // 2 + 1
         out = self.size(cout, t2, h // ss, w // ss)
-        # PyTorch's CPU conv3d unfolds its input (vol2col): cin * kernel volume values per output position.
-        ws = self.size(cin * kt * 9, t2, h // ss, w // ss) \
-            if self.cpu_workspace and (kt > 1 or ss > 1) else 0
+        # On CPU the convs run through oneDNN (layers.conv3d), which writes its output in its blocked
+        # channel layout and reorders it back: one extra output-sized buffer while the conv runs
+        # (fitted against measured peaks in `ditsp bench vae`).
+        ws = out if self.cpu_workspace else 0
         self.note(held + tin + padded + out + ws, op, tin, padded, out)
         return (t2, h // ss, w // ss)
 
@@ -197,7 +198,11 @@ def piece_of(cfg: VaeConfig, op: str, shape, world: int, mode: str, chunk: int =
         return Piece(min(chunk_frames, frames_all), rows_all, cols, False, n_chunks)
     if mode == "time":
         lat = max(q - p for p, q in TimeLayout(t, world, f).latents)
-        fr = f * lat if enc else lat  # rank 0's first latent comes from one frame, later ones from f
+        # Encode: f frames per latent plus the 2 frames of causal context a later rank receives (rank 0's
+        # first latent comes from one frame: the bound holds for every rank). Decode: a later rank's
+        # latents each expand to f frames (no frame-0 drop) after the previous latent it receives as
+        # causal context, which walks like one more latent frame.
+        fr = f * lat + (2 if world > 1 else 0) if enc else lat + (1 if world > 1 else 0)
         return Piece(min(fr, frames_all), rows_all, cols, False, 1)
     if mode == "height":
         return Piece(frames_all, slab_rows, cols, world > 1, 1)
@@ -214,7 +219,7 @@ def estimate(cfg: VaeConfig, op: str, shape, world: int, mode: str, dtype=torch.
              tile: int = 32, overlap: int = 8, gather: bool = True, backend: str = "cuda") -> MemoryEstimate:
     """Modelled peak bytes of one rank running ``op`` ("encode"/"decode") of a (T, H, W) pixel clip.
 
-    ``backend="cpu"`` adds the unfold buffer of PyTorch's CPU conv3d (kernel volume x input channels
+    ``backend="cpu"`` adds the output-sized reorder buffer of the oneDNN convs (layers.conv3d)
     per output position); CUDA convolutions are modelled without workspace.
     """
     b = torch.empty((), dtype=dtype).element_size()
