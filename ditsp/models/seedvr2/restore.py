@@ -199,6 +199,9 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
                                      req.vae_mode)
             step = _sharded_window if req.handoff and mode in SLAB_MODES and ctx.world_size > 1 else _whole_window
             decoded, dit_report = step(ctx, models, pvae, runtimes, req, st, win.index, xp, mode, g, vae_reports, bar)
+            if req.vae_mode == "auto":
+                vae_reports = {r.replace("requested", "auto: the first degree-invariant mode that fits")
+                               for r in vae_reports}
             bar.update()
             if not rank0:
                 _all_ok(vae_comm)
