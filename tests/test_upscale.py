@@ -62,6 +62,8 @@ def test_windows_cover_the_clip_and_blend(clusters, tmp_path):
     assert r1["sha256"] == r2["sha256"]
     frames = torch.cat(list(read_video(tmp_path / "long1.mp4")))
     assert frames.shape[0] == 21
+    seams = r1["seams"]  # measured on the written uint8 frames as they stream
+    assert seams["seam"] > 0 and seams["inside"] > 0 and seams["ratio"] < 1.5  # a boundary does not stand out
 
 
 def test_image_in_png_out(tmp_path):

@@ -37,6 +37,7 @@ from .budget import pipeline_vae_mode
 from .parallelize import parallelize
 from .pipeline import (
     StreamingBlender,
+    seam_metric_from_steps,
     apply_color_fix,
     decoder_latent,
     dit_input,
@@ -177,6 +178,8 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
     is_image = info.kind == "image"
     rank0 = ctx.rank == 0
     digest = hashlib.sha256()
+    steps: list[float] = []  # mean |frame[k+1] - frame[k]| of the written frames, for the seam measure
+    last_frame = None
     written = 0
     samples_in, samples_out = [], []
     vae_reports, dit_report = set(), ""
@@ -213,6 +216,8 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
             if ready.shape[0]:
                 out = to_uint8(ready)
                 digest.update(out.numpy().tobytes())
+                steps += _frame_steps(last_frame, out)
+                last_frame = out[-1]
                 if len(samples_out) < req.sample_frames:
                     k = min(req.sample_frames - len(samples_out), out.shape[0])
                     idx = torch.linspace(0, out.shape[0] - 1, k).round().long()
@@ -251,6 +256,7 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
             "geometry": geo.describe(), "output_size": [geo.out_width, geo.out_height],
             "windows": [[w.start, w.stop] for w in plan], "dit_path": dit_report,
             "vae_modes": sorted(vae_reports), "sha256": digest.hexdigest(), "timeline": st.timeline,
+            "seams": seam_metric_from_steps(steps, plan.seam_transitions()) if len(plan) > 1 and steps else None,
             "samples": (torch.stack(samples_in), torch.stack(samples_out)) if samples_out else None,
         })
     return report
@@ -339,6 +345,12 @@ def _rows_to_rank0(comm: Comm, video: torch.Tensor, counts: list[int]) -> torch.
     return got.movedim(0, 3) if me == 0 else None
 
 
+def _frame_steps(last: torch.Tensor | None, frames: torch.Tensor) -> list[float]:
+    """Mean absolute change of each step into ``frames`` (uint8), starting from the previous chunk's last frame."""
+    x = frames.double() if last is None else torch.cat([last[None], frames]).double()
+    return (x[1:] - x[:-1]).abs().reshape(x.shape[0] - 1, -1).mean(dim=1).tolist()
+
+
 def _all_ok(comm: Comm) -> None:
     """A window boundary every rank passes together (rank 0's write errors surface on every rank)."""
     comm.all_gather_object(True)
@@ -371,6 +383,10 @@ def format_report(s: dict) -> str:
         lines.append(f"{k:<11} {s['stage_s'][k]:>8.2f} {100 * s['stage_s'][k] / max(total, 1e-9):>5.0f}% "
                      f"{peak / 2**20:>20.1f}")
     lines.append(f"bytes moved (all ranks): {s['bytes_moved'] / 2**20:.2f} MiB; frames sha256 {s['sha256'][:16]}")
+    if s.get("seams"):
+        m = s["seams"]
+        lines.append(f"window seams: mean frame-to-frame change {m['seam']:.2f} at boundaries vs {m['inside']:.2f} "
+                     f"inside windows (ratio {m['ratio']:.2f})")
     return "\n".join(lines)
 
 

@@ -26,7 +26,8 @@ from .condition import (
 from .padding import pad_frames, padded_length, reference_pad, reference_padded_length
 from .sizing import FrameGeometry, frame_geometry
 from .transform import area_resize, area_size, center_crop, crop_box, resize_bicubic, to_uint8, transform_frames
-from .windows import StreamingBlender, Window, WindowPlan, blend_windows, frame_weights, plan_windows, seam_metric
+from .windows import (StreamingBlender, Window, WindowPlan, blend_windows, frame_weights, plan_windows, seam_metric,
+                      seam_metric_from_steps)
 
 __all__ = [
     "COLOR_FIX_METHODS",
@@ -60,6 +61,7 @@ __all__ = [
     "resize_bicubic",
     "scale_latent",
     "seam_metric",
+    "seam_metric_from_steps",
     "to_uint8",
     "transform_frames",
     "wavelet_color_fix",

@@ -263,6 +263,13 @@ def seam_metric(frames: torch.Tensor, boundaries: Sequence[int]) -> dict[str, fl
         raise ValueError("seam_metric needs at least two frames")
     x = frames.to(torch.float64)
     step = (x[1:] - x[:-1]).abs().reshape(t - 1, -1).mean(dim=1)  # step[k] = |f[k+1] - f[k]|
+    return seam_metric_from_steps(step, boundaries)
+
+
+def seam_metric_from_steps(steps: Sequence[float] | torch.Tensor, boundaries: Sequence[int]) -> dict[str, float]:
+    """:func:`seam_metric` from the per-step changes ``steps[k] = mean |f[k+1] - f[k]|`` (for streams)."""
+    step = torch.as_tensor(steps, dtype=torch.float64)
+    t = step.numel() + 1
     seam_idx = sorted({b - 1 for b in boundaries if 0 < b < t})
     mask = torch.zeros(t - 1, dtype=torch.bool)
     if seam_idx:
