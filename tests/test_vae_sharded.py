@@ -100,12 +100,17 @@ def mismatched_modes(ctx):
 
 
 def halo_rows(ctx):
+    """Both carriages (point-to-point, all-gather of slots) give the same halos."""
     comm = Comm(ctx.group)
     r, n = ctx.rank, ctx.world_size
     x = torch.arange(3 * (r + 1), dtype=torch.float32).view(-1, 1) + 100 * r  # ranks hold 3, 6, 9... rows
-    top, bot = exchange_rows(comm, x, 0, from_prev=1 if r else 0, from_next=2 if r < n - 1 else 0,
-                             to_prev=2 if r else 0, to_next=1 if r < n - 1 else 0)
-    return (None if top is None else top.flatten().tolist(), None if bot is None else bot.flatten().tolist())
+    out = []
+    for gather in (False, True):
+        top, bot = exchange_rows(comm, x, 0, from_prev=1 if r else 0, from_next=2 if r < n - 1 else 0,
+                                 to_prev=2 if r else 0, to_next=1 if r < n - 1 else 0, slot=3, gather=gather)
+        out.append((None if top is None else top.flatten().tolist(), None if bot is None else bot.flatten().tolist()))
+    assert out[0] == out[1], out
+    return out[0]
 
 
 # ----------------------------------------------------------------- tests

@@ -247,8 +247,9 @@ class Exec:
         zt, fp, fn, zb = halos[r]
         to_prev = halos[r - 1][2] if r > 0 else 0
         to_next = halos[r + 1][1] if r + 1 < n else 0
+        slot = max(max(h[1], h[2]) for h in halos)  # the same on every rank: one common row layout
         top, bottom = exchange_rows(self.comm, x, 3, from_prev=fp, from_next=fn, to_prev=to_prev, to_next=to_next,
-                                    kind="halo_rows")
+                                    kind="halo_rows", slot=slot)
         parts = []
         if zt:
             parts.append(x.new_zeros(x.shape[:3] + (zt,) + x.shape[4:]))
