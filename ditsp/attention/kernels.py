@@ -232,8 +232,9 @@ def block_bwd(backend: str, q, k, v, out, lse, dout, scale: float, delta=None):
     dt = q.dtype
     out, dout = out.to(dt), dout.to(dt)
     lse = lse.to(torch.float64 if dt == torch.float64 else torch.float32)
-    dq, dk, dv = KERNELS[backend].bwd(grouped(q.contiguous(), hk), k, v, grouped(out.contiguous(), hk),
-                                      grouped(lse.contiguous(), hk), grouped(dout.contiguous(), hk), scale)
+    # grouped() reshapes: a view where the layout allows (always without GQA), a copy otherwise.
+    dq, dk, dv = KERNELS[backend].bwd(grouped(q, hk), k, v, grouped(out, hk), grouped(lse, hk),
+                                      grouped(dout, hk), scale)
     return ungrouped(dq, h), dk, dv
 
 

@@ -4,8 +4,10 @@ Each rank keeps its queries and, at step i, attends to the K/V block of rank
 ``r - i``. The transfer of the next block is posted (``batch_isend_irecv``)
 before the current block is computed, so communication overlaps compute
 (double buffering: the block being read is never the one being written).
-K and V travel stacked in one buffer. Blocks may have uneven lengths (the
-ring knows every rank's length).
+K and V travel as two messages of one batch, in the sequence-major layout
+``[B, s, Hkv, D]`` the caller's tensors already have (so the first step sends
+them as they lie, with no stacking copy); the kernels read transposed views.
+Blocks may have uneven lengths (the ring knows every rank's length).
 
 Backward passes K/V around again together with a dK/dV accumulator that every
 rank adds its share to; after a full turn each accumulator is back home. The
@@ -16,8 +18,10 @@ not circulated, so it costs no traffic and is counted once.
 
 Every block is one call of the agreed backend (:mod:`ditsp.attention.kernels`):
 a fused kernel returning its LSE, or the pure-torch reference. Block outputs
-merge by LSE in fp32; the backward calls the fused backward per block with
-the final output and LSE.
+merge by LSE in fp32, in place on the running output (the first block's
+output becomes it); the backward calls the fused backward per block with the
+final output and LSE, and adds each block's dK/dV straight into the
+accumulator that arrived from the previous rank.
 """
 
 from __future__ import annotations
@@ -31,20 +35,25 @@ from .common import merge
 from .kernels import block_bwd, block_fwd
 
 
-def _post(comm: Comm, send: torch.Tensor | None, recv: torch.Tensor | None, kind: str):
-    """Send to the next rank and receive from the previous one; empty tensors are skipped."""
+def _post(comm: Comm, sends, recvs, kind: str):
+    """Send tensors to the next rank and receive from the previous one, one batch; empty tensors are skipped."""
     nxt, prv = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
-    sends = [(send, nxt)] if send is not None and send.numel() else []
-    recvs = [(recv, prv)] if recv is not None and recv.numel() else []
+    sends = [(t, nxt) for t in sends if t is not None and t.numel()]
+    recvs = [(t, prv) for t in recvs if t is not None and t.numel()]
     return comm.batch_isend_irecv(sends, recvs, kind=kind) if sends or recvs else []
 
 
-def _post_next_kv(comm: Comm, kv: torch.Tensor, kv_lens: Sequence[int], step: int, kind: str):
-    """Post the transfer of the block held at ``step + 1`` (none after the last step): (buffer, requests)."""
+def _post_next_kv(comm: Comm, kv, kv_lens: Sequence[int], step: int, kind: str):
+    """Post the transfer of the block held at ``step + 1`` (none after the last step): (buffers, requests).
+
+    ``kv`` is the pair (K, V) in wire layout ``[B, s, Hkv, D]`` (contiguous); K and V travel as two
+    messages of one batch, so neither is ever stacked.
+    """
     n = comm.world_size
     if step + 1 >= n:
         return None, []
-    nxt = kv.new_empty(kv.shape[:3] + (kv_lens[(comm.rank - step - 1) % n],) + kv.shape[4:])
+    s = kv_lens[(comm.rank - step - 1) % n]
+    nxt = tuple(x.new_empty(x.shape[:1] + (s,) + x.shape[2:]) for x in kv)
     return nxt, _post(comm, kv, nxt, kind)
 
 
@@ -53,81 +62,130 @@ def _wait(reqs) -> None:
         r.wait()
 
 
+def _compute(x):
+    """Wire layout [B, s, H, D] -> the kernels' compute layout [B, H, s, D] (a view)."""
+    return x.transpose(1, 2)
+
+
+def _wire(x):
+    """Compute layout [B, H, s, D] -> contiguous wire layout [B, s, H, D] (no copy when it already lies so)."""
+    return x.transpose(1, 2).contiguous()
+
+
+def merge_(out, lse, blk_out, blk_lse):
+    """:func:`ditsp.attention.common.merge` in place on the running fp32 ``out`` (``blk_out`` is consumed).
+
+    Same arithmetic, so the same bits; no temporaries of the output's size besides a bf16 block's
+    fp32 rescale.
+    """
+    if out is None:
+        return blk_out.float(), blk_lse.float()
+    new = torch.logaddexp(lse, blk_lse)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1))
+    b = torch.exp(blk_lse - new).unsqueeze(-1)
+    out.add_(blk_out.mul_(b) if blk_out.dtype == torch.float32 else blk_out * b)
+    return out, new
+
+
 def ring_fwd(comm: Comm, q, kv, kv_lens: Sequence[int], scale: float, extra=None, backend: str = "reference"):
-    """``q`` [B,H,Sq,D]; ``kv`` [2,B,Hkv,s_me,D] stacked K/V. Returns fp32 (out, lse)."""
+    """``q`` [B,H,Sq,D]; ``kv`` (K, V) in wire layout [B,s_me,Hkv,D]. Returns fp32 (out, lse)."""
     n = comm.world_size
     out = lse = None
     if extra is not None and extra.shape[3]:
         out, lse = block_fwd(backend, q, extra[0], extra[1], scale)
+        out, lse = out.float(), lse.float()
     for step in range(n):
         nxt, reqs = _post_next_kv(comm, kv, kv_lens, step, "ring_kv")
-        if kv.shape[3]:
-            out, lse = merge(out, lse, *block_fwd(backend, q, kv[0], kv[1], scale))
+        if kv[0].shape[1]:
+            out, lse = merge_(out, lse, *block_fwd(backend, q, _compute(kv[0]), _compute(kv[1]), scale))
         if nxt is not None:
             _wait(reqs)
             kv = nxt
     if out is None:  # no keys at all
-        out = q.new_zeros(q.shape[:3] + (kv.shape[-1],), dtype=torch.float32)
+        out = q.new_zeros(q.shape[:3] + (kv[1].shape[-1],), dtype=torch.float32)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
     return out, lse
 
 
+def _acc(acc, g):
+    """Running fp32 sum: the first term itself (as fp32), then in place."""
+    if acc is None:
+        return g.float()
+    return acc.add_(g)
+
+
 def ring_bwd(comm: Comm, q, kv, kv_lens, scale, out, lse, dout, extra=None, backend: str = "reference"):
-    """Returns fp32 ``dq``, ``dkv`` (this rank's block, summed over all ranks' queries), ``dextra``."""
+    """Returns fp32 ``dq``, ``dkv`` (this rank's dK and dV in wire layout, summed over all ranks' queries), ``dextra``.
+
+    The dK/dV accumulator that arrives from the previous rank is the one the local block's
+    gradients are added into (no fresh buffer per step); it travels as one stacked fp32 message.
+    """
     n, me = comm.world_size, comm.rank
     delta = (dout.float() * out.float()).sum(-1) if backend == "reference" else None
-    dq = torch.zeros(q.shape, dtype=torch.float32)
+    dq = None
     dextra = None
     if extra is not None:
         dextra = torch.zeros(extra.shape, dtype=torch.float32)
         if extra.shape[3]:
             g = block_bwd(backend, q, extra[0], extra[1], out, lse, dout, scale, delta)
-            dq += g[0]
+            dq = _acc(dq, g[0])
             dextra[0], dextra[1] = g[1], g[2]
     dkv, dkv_reqs = None, []
     for step in range(n):
         nxt, kv_reqs = _post_next_kv(comm, kv, kv_lens, step, "ring_kv_bwd")
-        blk = torch.zeros(kv.shape, dtype=torch.float32)
-        if kv.shape[3]:
-            g = block_bwd(backend, q, kv[0], kv[1], out, lse, dout, scale, delta)
-            dq += g[0]
-            blk[0], blk[1] = g[1], g[2]
+        k, v = kv
+        g = block_bwd(backend, q, _compute(k), _compute(v), out, lse, dout, scale, delta) if k.shape[1] else None
+        if g is not None:
+            dq = _acc(dq, g[0])
         if dkv is not None:
             _wait(dkv_reqs)
-            blk += dkv
+            blk = dkv
+            if g is not None:
+                _compute(blk[0]).add_(g[1])
+                _compute(blk[1]).add_(g[2])
+        else:
+            blk = (torch.empty if g is not None else torch.zeros)((2,) + tuple(k.shape), dtype=torch.float32)
+            if g is not None:
+                _compute(blk[0]).copy_(g[1])
+                _compute(blk[1]).copy_(g[2])
         # Pass the accumulator of the block we hold on; receive the one of the block we hold next.
-        dkv = blk.new_empty(blk.shape[:3] + (kv_lens[(me - step - 1) % n],) + blk.shape[4:])
         if n > 1:
-            dkv_reqs = _post(comm, blk, dkv, "ring_dkv")
+            s = kv_lens[(me - step - 1) % n]
+            dkv = blk.new_empty(blk.shape[:2] + (s,) + blk.shape[3:])
+            dkv_reqs = _post(comm, [blk], [dkv], "ring_dkv")
         else:
             dkv = blk
         if nxt is not None:
             _wait(kv_reqs)
             kv = nxt
     _wait(dkv_reqs)
+    if dq is None:
+        dq = torch.zeros(q.shape, dtype=torch.float32)
     return dq, dkv, dextra
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, comm, kv_lens, scale, backend, q, k, v, tk, tv):
-        kv = torch.stack([k, v])
+        kv = (_wire(k), _wire(v))  # the caller's own tensors when they already lie sequence-major
         extra = torch.stack([tk, tv]) if tk is not None else None
         out, lse = ring_fwd(comm, q, kv, kv_lens, scale, extra, backend)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, kv, extra, out, lse)
+        ctx.save_for_backward(q, kv[0], kv[1], extra, out, lse)
         ctx.args = (comm, kv_lens, scale, k.dtype, tk is not None, backend)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, kv, extra, out, lse = ctx.saved_tensors
+        q, wk, wv, extra, out, lse = ctx.saved_tensors
         comm, kv_lens, scale, kdt, has_extra, backend = ctx.args
-        dq, dkv, dex = ring_bwd(comm, q, kv, kv_lens, scale, out, lse, dout, extra if has_extra else None, backend)
+        dq, dkv, dex = ring_bwd(comm, q, (wk, wv), kv_lens, scale, out, lse, dout, extra if has_extra else None,
+                                backend)
         dtk = dtv = None
         if has_extra:
             dtk, dtv = dex[0].to(kdt), dex[1].to(kdt)
-        return None, None, None, None, dq.to(q.dtype), dkv[0].to(kdt), dkv[1].to(kdt), dtk, dtv
+        return (None, None, None, None, dq.to(q.dtype), _compute(dkv[0]).to(kdt), _compute(dkv[1]).to(kdt),
+                dtk, dtv)
 
 
 def ring_attention(comm: Comm, q, k, v, kv_lens: Sequence[int], scale: float, tk=None, tv=None,

@@ -14,6 +14,12 @@ Transport: by default Q, K and V travel in ONE stacked all-to-all.
 Q, K and V separately: three calls instead of one, but no stacked pack buffer
 (peak extra memory of the largest tensor instead of all three). Results are
 identical.
+
+Layouts (no copy after an exchange): the wire block for a peer is sequence-major with the tensors'
+head shares side by side in each row, so the received buffer already is ``[S, B, heads x D]`` and
+the head shards handed to the kernel are strided views of it; the way back sends rows of the
+kernel's sequence-major output as they lie, and the receiver writes each peer's heads into place
+(a copy; zero-fill and sum only for heads that several ranks hold).
 """
 
 from __future__ import annotations
@@ -57,52 +63,119 @@ def head_plan(heads: int, kv_heads: int, degree: int) -> HeadPlan:
     return HeadPlan(heads, kv_heads, q, kv)
 
 
-def _exchange(comm: Comm, chunks: list[list[torch.Tensor]], shapes: list[list[tuple]], kind: str):
-    """Send ``chunks[p]`` to peer p, receive tensors of ``shapes[r]`` from r; one flat all-to-all."""
-    # Packed straight into the send buffer (whole, or chunk by chunk within a capacity): ditsp.dist.transport.
-    flat = transport.Concat([c for per in chunks for c in per])
-    sizes = [[int(torch.Size(s).numel()) for s in per] for per in shapes]
-    out = transport.all_to_all(comm, flat, [sum(c.numel() for c in per) for per in chunks], [sum(s) for s in sizes],
-                               kind, key=transport.shape_key(chunks, shapes))
-    pieces, o = [], 0
-    for per, ss in zip(shapes, sizes):
-        pieces.append([])
-        for s, n in zip(per, ss):
-            pieces[-1].append(out[o : o + n].view(s))
-            o += n
-    return pieces
+def _widths(xs, head_ranges, rank):
+    """Elements per (sequence row, batch item) of every tensor's head share of ``rank``."""
+    return [(hr[rank][1] - hr[rank][0]) * x.shape[-1] for x, hr in zip(xs, head_ranges)]
+
+
+def _offsets(ws):
+    o = [0]
+    for w in ws:
+        o.append(o[-1] + w)
+    return o
+
+
+def _move(comm: Comm, buf: torch.Tensor, ins, outs, kind, key, planes: int, grad: bool):
+    """One transport all-to-all of the flat ``buf`` (element splits); ``planes`` as the codec reports them."""
+    src = transport.Rows(buf)
+    src.planes = planes  # per-plane sizes as before: (batch items x tensors x peers) planes
+    return transport.all_to_all(comm, src, ins, outs, kind, key=key, grad=True if grad else None)
 
 
 def seq_to_head(comm: Comm, xs, head_ranges, seq_lens, kind="ulysses_a2a", stacked=True):
-    """``[B, s_me, H_t, D]`` sequence shards -> ``[B, h_t(me), S, D]`` head shards, per tensor t."""
+    """``[B, s_me, H_t, D]`` sequence shards -> ``[B, h_t(me), S, D]`` head shards, per tensor t.
+
+    Wire layout: every rank sends peer p one block ``[s_me, B, W_p]`` whose rows hold the p-shares of
+    all tensors side by side (``W_p`` = sum over t of ``h_t(p) * D_t``). Blocks arrive in rank order,
+    so the receive buffer is already ``[S, B, W_me]``: every returned head shard is a strided view of
+    it (sequence stride ``B * W_me``), with no copy after the exchange.
+    """
     if not stacked:
         return [seq_to_head(comm, [x], [hr], seq_lens, kind, True)[0] for x, hr in zip(xs, head_ranges)]
     me, n = comm.rank, comm.world_size
-    b = xs[0].shape[0]
-    chunks = [[x[:, :, hr[p][0] : hr[p][1]].transpose(1, 2) for x, hr in zip(xs, head_ranges)] for p in range(n)]
-    shapes = [[(b, hr[me][1] - hr[me][0], seq_lens[r], x.shape[-1]) for x, hr in zip(xs, head_ranges)] for r in range(n)]
-    pieces = _exchange(comm, chunks, shapes, kind)
-    return [torch.cat([pieces[r][t] for r in range(n)], dim=2) for t in range(len(xs))]
+    b, s_me, ref = xs[0].shape[0], xs[0].shape[1], xs[0]
+    send_w = [sum(_widths(xs, head_ranges, p)) for p in range(n)]
+    buf = ref.new_empty(s_me * b * sum(send_w))
+    o = 0
+    for p in range(n):
+        blk = buf[o : o + s_me * b * send_w[p]].view(s_me, b, send_w[p])
+        c = 0
+        for x, hr in zip(xs, head_ranges):
+            lo, hi = hr[p]
+            w = (hi - lo) * x.shape[-1]
+            if w:
+                blk[:, :, c : c + w].view(s_me, b, hi - lo, x.shape[-1]).copy_(x[:, :, lo:hi].transpose(0, 1))
+            c += w
+        o += s_me * b * send_w[p]
+    ws = _widths(xs, head_ranges, me)
+    W = sum(ws)
+    key = ("ulysses_s2h", tuple(int(v) for v in seq_lens), b,
+           tuple((tuple(map(tuple, hr)), int(x.shape[-1])) for x, hr in zip(xs, head_ranges)))
+    out = _move(comm, buf, [s_me * b * w for w in send_w], [int(s) * b * W for s in seq_lens], kind, key,
+                b * n * len(xs), any(x.requires_grad for x in xs))
+    del buf  # the send buffer goes before anything else is allocated
+    S = sum(int(s) for s in seq_lens)
+    full = out.view(S, b, W)
+    res, c = [], 0
+    for x, w in zip(xs, ws):
+        d = x.shape[-1]
+        res.append(full[:, :, c : c + w].view(S, b, w // d if d else 0, d).permute(1, 2, 0, 3))
+        c += w
+    return res
 
 
 def head_to_seq(comm: Comm, xs, head_ranges, seq_lens, total_heads, kind="ulysses_a2a", stacked=True):
-    """Inverse of :func:`seq_to_head`; heads held by several ranks are summed."""
+    """Inverse of :func:`seq_to_head`; heads held by several ranks are summed.
+
+    Packs ``[S, B, W_me]`` (no copy when one tensor already lies sequence-major, as the fused kernels
+    write their output), sends every peer its rows, and writes each peer's heads into place: a plain
+    copy, except for heads that more than one rank holds (a K/V head shared under GQA), which are
+    zero-filled and summed.
+    """
     if not stacked:
         return [head_to_seq(comm, [x], [hr], seq_lens, [th], kind, True)[0]
                 for x, hr, th in zip(xs, head_ranges, total_heads)]
     me, n = comm.rank, comm.world_size
-    b = xs[0].shape[0]
-    o = [0]
-    for s in seq_lens:
-        o.append(o[-1] + s)
-    chunks = [[x[:, :, o[p] : o[p + 1]] for x in xs] for p in range(n)]
-    shapes = [[(b, hr[r][1] - hr[r][0], seq_lens[me], x.shape[-1]) for x, hr in zip(xs, head_ranges)] for r in range(n)]
-    pieces = _exchange(comm, chunks, shapes, kind)
+    b, S = xs[0].shape[0], xs[0].shape[2]
+    s_me = int(seq_lens[me])
+    ws = _widths(xs, head_ranges, me)
+    W = sum(ws)
+    if len(xs) == 1 and xs[0].permute(2, 0, 1, 3).is_contiguous():
+        buf = xs[0].permute(2, 0, 1, 3).reshape(-1)
+    else:
+        buf = xs[0].new_empty(S * b * W)
+        full, c = buf.view(S, b, W), 0
+        for x, w in zip(xs, ws):
+            if w:
+                full[:, :, c : c + w].view(S, b, x.shape[1], x.shape[-1]).copy_(x.permute(2, 0, 1, 3))
+            c += w
+    recv_w = [sum(_widths(xs, head_ranges, r)) for r in range(n)]
+    key = ("ulysses_h2s", tuple(int(v) for v in seq_lens), b,
+           tuple((tuple(map(tuple, hr)), int(x.shape[-1])) for x, hr in zip(xs, head_ranges)))
+    out = _move(comm, buf, [int(s) * b * W for s in seq_lens], [s_me * b * w for w in recv_w], kind, key,
+                b * n * len(xs), any(x.requires_grad for x in xs))
+    del buf  # the send buffer goes before the outputs are allocated
     outs = []
     for t, (x, hr, th) in enumerate(zip(xs, head_ranges, total_heads)):
-        y = x.new_zeros((b, seq_lens[me], th, x.shape[-1]))
+        d = x.shape[-1]
+        cover = [0] * th
+        for lo, hi in hr:
+            for h in range(lo, hi):
+                cover[h] += 1
+        shared = any(c > 1 for c in cover)
+        y = (x.new_zeros if shared or 0 in cover else x.new_empty)((b, s_me, th, d))
+        o = 0
         for r in range(n):
-            y[:, :, hr[r][0] : hr[r][1]] += pieces[r][t].transpose(1, 2)
+            blk = out[o : o + s_me * b * recv_w[r]].view(s_me, b, recv_w[r])
+            c = sum(_widths(xs[:t], head_ranges[:t], r))
+            lo, hi = hr[r]
+            if hi > lo:
+                piece = blk[:, :, c : c + (hi - lo) * d].view(s_me, b, hi - lo, d).transpose(0, 1)
+                if shared:
+                    y[:, :, lo:hi] += piece
+                else:
+                    y[:, :, lo:hi] = piece
+            o += s_me * b * recv_w[r]
         outs.append(y)
     return outs
 
@@ -118,7 +191,6 @@ class SeqToHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *gs):
         comm, hr, lens, total, stacked = ctx.args
-        gs = [g.contiguous() for g in gs]
         return (None, None, None, None, *head_to_seq(comm, gs, hr, lens, total, "ulysses_a2a_bwd", stacked))
 
 
@@ -133,7 +205,6 @@ class HeadToSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *gs):
         comm, hr, lens, stacked = ctx.args
-        gs = [g.contiguous() for g in gs]
         return (None, None, None, None, None, *seq_to_head(comm, gs, hr, lens, "ulysses_a2a_bwd", stacked))
 
 

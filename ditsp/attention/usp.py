@@ -205,12 +205,13 @@ class SPAttention:
         r_lens = [sum(lens[i * U : (i + 1) * U]) for i in range(R)]
         t_rows = even_splits(T, R)
         tlo, thi = ranges(t_rows)[j]
-        qcat = torch.cat([tq[:, :, tlo:thi], hq], 2)
+        qcat = torch.cat([tq[:, :, tlo:thi], hq], 2) if thi > tlo else hq  # no copy without text rows
         if R == 1:  # plain Ulysses: one fused call over [text; video] keys, no LSE needed
             o = local_attention(backend, qcat, joined(tk, hk), joined(tv, hv), scale)
         else:
             attend = ring_attention if self.outer == "ring" else allgather_attention
             o = attend(self.r, qcat, hk, hv, r_lens, scale, tk if T else None, tv if T else None, backend)
+        del qcat, hq, hk, hv  # without autograd the head shards go before the way back
         ot, ov = o[:, :, : thi - tlo], o[:, :, thi - tlo :]
 
         # Back: video to sequence shards, text gathered to every rank.
