@@ -168,6 +168,7 @@ class Exec:
         self.rows: list[tuple[int, int]] | None = None
         self.H: int | None = None
         self.counts = {"conv": 0, "conv_2d_fast": 0}
+        self._haloed = None  # the conv whose input rows the last norm already extended by its halos
 
     def begin(self, t_start: int, rows: list[tuple[int, int]] | None = None, H: int | None = None) -> "Exec":
         """Start a piece at global frame ``t_start`` (of the network input), optionally a height slab."""
@@ -225,7 +226,11 @@ class Exec:
         else:
             n_out = T
         if self.rows is not None:
-            x, rows_out, H_out = self._halo(layer, x)
+            if self._haloed is layer:  # the norm before this conv gathered its halo rows already
+                rows_out, H_out, _ = conv_rows(layer, self.rows, self.H)
+            else:
+                x, rows_out, H_out = self._halo(layer, x)
+        self._haloed = None
         if n_out <= 0 or x.shape[3] == 0:
             b = x.shape[0]
             rows_local = (rows_out[self.comm.rank][1] - rows_out[self.comm.rank][0]) if self.rows is not None \
@@ -268,9 +273,21 @@ class Exec:
 
     # -- GroupNorm per frame ---------------------------------------------------
 
-    def norm(self, layer, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+    def _fuses(self, then) -> bool:
+        """Whether a norm followed by conv ``then`` gathers the conv's halo rows with its statistics
+        (the same answer on every rank: it depends on the layer and the common row layout only)."""
+        return (then is not None and self.rows is not None and self.comm.world_size > 1 and then.kernel[1] > 1
+                and then.stride[1] == 1)
+
+    def norm(self, layer, x: torch.Tensor, silu: bool = False, then=None) -> torch.Tensor:
         """GroupNorm with per-frame statistics (per-row moments, gathered over slabs, merged in row
-        order), optionally followed by SiLU (applied tail-free, :func:`padded_like`)."""
+        order), optionally followed by SiLU (applied tail-free, :func:`padded_like`).
+
+        ``then``: the conv that consumes the result. On a height slab its halo rows then travel in
+        the statistics' all-gather as raw (un-normalised) rows, and this piece normalises them
+        with its own rows: one collective instead of two, and the same elementwise arithmetic on
+        every pixel (the conv then skips its exchange).
+        """
         b, c, t, h, w = x.shape
         g = layer.num_groups
         cg = c // g
@@ -278,6 +295,8 @@ class Exec:
         if t == 0:
             return x.clone()
         rm, r2 = row_moments(x, g)
+        if self._fuses(then):
+            return self._norm_haloed(layer, x, rm, r2, silu, then)
         if self.rows is not None and self.comm.world_size > 1:
             counts = [max(0, b_ - a) for a, b_ in self.rows]
             both = torch.stack([rm, r2]).movedim(-1, 0).contiguous()  # (h, 2, B, G, T)
@@ -286,6 +305,13 @@ class Exec:
             rm, r2 = both[0], both[1]
         if not h:
             return x.clone()
+        return self._normalise(layer, x, rm, r2, silu)
+
+    def _normalise(self, layer, x: torch.Tensor, rm: torch.Tensor, r2: torch.Tensor, silu: bool) -> torch.Tensor:
+        """``x`` normalised with the frame statistics merged from the whole frame's row moments."""
+        b, c, t, h, w = x.shape
+        g = layer.num_groups
+        cg = c // g
         mean, var = frame_stats(rm.contiguous(), r2.contiguous(), cg * w)
         mean, var = mean.float(), var.float()
         rstd = torch.rsqrt(var + layer.eps).view(b, g, 1, t, 1, 1)
@@ -300,6 +326,55 @@ class Exec:
                           out=y.view(b, g, cg, t, h, w))
             if silu:
                 F.silu(buf, inplace=True)
+        return y
+
+    def _norm_haloed(self, layer, x: torch.Tensor, rm: torch.Tensor, r2: torch.Tensor, silu: bool, then):
+        """:meth:`norm` of a slab whose result feeds conv ``then``: statistics and ``then``'s raw halo
+        rows in one all-gather (bytes: each rank's per-row float64 moments, padded to the largest
+        slab, then two slots of border rows); returns the normalised slab extended by its halos."""
+        b, c, t, h, w = x.shape
+        comm, r, n = self.comm, self.comm.rank, self.comm.world_size
+        rows_out, _, halos = conv_rows(then, self.rows, self.H)
+        zt, fp, fn, zb = halos[r]
+        to_prev = halos[r - 1][2] if r > 0 else 0
+        to_next = halos[r + 1][1] if r + 1 < n else 0
+        slot = max(max(hh[1], hh[2]) for hh in halos)
+        counts = [max(0, b_ - a) for a, b_ in self.rows]
+        both = torch.stack([rm, r2]).movedim(-1, 0).contiguous()  # (h, 2, B, G, T) float64
+        per_row = math.prod(both.shape[1:]) * 8
+        stats_len = max(counts) * per_row
+        xm = x.movedim(3, 0)  # (h, B, C, T, W) view
+        row_bytes = math.prod(xm.shape[1:]) * x.element_size()
+        payload = torch.zeros(stats_len + 2 * slot * row_bytes, dtype=torch.uint8)
+        payload[:h * per_row] = both.view(-1).view(torch.uint8)
+        border = payload[stats_len:].view(x.dtype).view((2 * slot,) + tuple(xm.shape[1:]))
+        if to_prev:
+            border[:to_prev] = xm[:to_prev]
+        if to_next:
+            border[slot:slot + to_next] = xm[h - to_next:]
+        parts = comm.all_gather_rows(payload, [payload.numel()] * n, kind="groupnorm_stats+halo")
+        both = torch.cat([p[:k * per_row] for p, k in zip(parts, counts)]).view(torch.float64)
+        both = both.view((sum(counts), 2) + tuple(rm.shape[:-1])).movedim(0, -1)
+        rm, r2 = both[0], both[1]
+        ext = x.new_empty((b, c, t, zt + fp + h + fn + zb, w))
+        em = ext.movedim(3, 0)
+        em[:zt].zero_()
+        if fp:
+            em[zt:zt + fp] = parts[r - 1][stats_len:].view(x.dtype).view(border.shape)[slot:slot + fp]
+        em[zt + fp:zt + fp + h] = xm
+        if fn:
+            em[zt + fp + h:zt + fp + h + fn] = parts[r + 1][stats_len:].view(x.dtype).view(border.shape)[:fn]
+        if zb:
+            em[-zb:].zero_()
+        y = self._normalise(layer, ext, rm, r2, silu)
+        ym = y.movedim(3, 0)
+        if zt:
+            ym[:zt].zero_()  # the conv's zero padding at the image border, after the norm
+        if zb:
+            ym[-zb:].zero_()
+        self._haloed = then
+        if rows_out[r][1] <= rows_out[r][0]:
+            return y[:, :, :, :0]
         return y
 
     # -- mid attention -----------------------------------------------------------

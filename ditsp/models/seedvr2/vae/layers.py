@@ -101,9 +101,10 @@ class CausalConv3d(nn.Module):
 class GroupNorm(nn.GroupNorm):
     """GroupNorm whose statistics are taken per frame; the executor may reduce them across slabs."""
 
-    def forward(self, x: torch.Tensor, ex, silu: bool = False) -> torch.Tensor:  # type: ignore[override]
-        """Normalised ``x``; ``silu`` applies the SiLU that follows every such norm but the attention's."""
-        return ex.norm(self, x, silu=silu)
+    def forward(self, x: torch.Tensor, ex, silu: bool = False, then=None) -> torch.Tensor:  # type: ignore[override]
+        """Normalised ``x``; ``silu`` applies the SiLU that follows every such norm but the attention's;
+        ``then``: the conv that consumes the result (a height slab fetches its halo rows with the statistics)."""
+        return ex.norm(self, x, silu=silu, then=then)
 
 
 class ResnetBlock(nn.Module):
@@ -117,9 +118,9 @@ class ResnetBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ex) -> torch.Tensor:
         # Rebinding ``h`` step by step frees each intermediate as soon as the next one exists.
-        h = self.norm1(x, ex, silu=True)
+        h = self.norm1(x, ex, silu=True, then=self.conv1)
         h = self.conv1(h, ex)
-        h = self.norm2(h, ex, silu=True)
+        h = self.norm2(h, ex, silu=True, then=self.conv2)
         h = self.conv2(h, ex)
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x, ex)

@@ -70,7 +70,7 @@ class Encoder(nn.Module):
         for b in self.down_blocks:
             x = b(x, ex)
         x = self.mid_block(x, ex)
-        return self.conv_out(self.conv_norm_out(x, ex, silu=True), ex)
+        return self.conv_out(self.conv_norm_out(x, ex, silu=True, then=self.conv_out), ex)
 
 
 class Decoder(nn.Module):
@@ -91,7 +91,7 @@ class Decoder(nn.Module):
         x = self.mid_block(x, ex)
         for b in self.up_blocks:
             x = b(x, ex)
-        return self.conv_out(self.conv_norm_out(x, ex, silu=True), ex)
+        return self.conv_out(self.conv_norm_out(x, ex, silu=True, then=self.conv_out), ex)
 
 
 @dataclass
