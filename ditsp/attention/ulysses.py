@@ -9,7 +9,9 @@ both and its gradients are summed on the way back.
 Sequence shards may be uneven (lengths gathered once per call): buffers are
 packed flat, one element-split per peer, so no padding and no masks.
 
-Transport: by default Q, K and V travel in ONE stacked all-to-all.
+Transport: by default Q, K and V travel in ONE stacked all-to-all (their
+gradients on the way back go one all-to-all each: they are all alive at
+once, so stacking them would only add a buffer of all three).
 ``ulysses_a2a_permute=True`` permutes each tensor to head-major and exchanges
 Q, K and V separately: three calls instead of one, but no stacked pack buffer
 (peak extra memory of the largest tensor instead of all three). Results are
@@ -191,7 +193,10 @@ class SeqToHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *gs):
         comm, hr, lens, total, stacked = ctx.args
-        return (None, None, None, None, *head_to_seq(comm, gs, hr, lens, total, "ulysses_a2a_bwd", stacked))
+        # One exchange per gradient even when the forward stacked them: the three gradients are alive
+        # anyway (the engine holds them until this returns), so a stacked send buffer and receive buffer
+        # would add twice their size at once; per tensor it is twice the largest one.
+        return (None, None, None, None, *head_to_seq(comm, gs, hr, lens, total, "ulysses_a2a_bwd", False))
 
 
 class HeadToSeq(torch.autograd.Function):
