@@ -118,7 +118,8 @@ def ring_bwd(comm: Comm, q, kv, kv_lens, scale, out, lse, dout, extra=None, back
     """Returns fp32 ``dq``, ``dkv`` (this rank's dK and dV in wire layout, summed over all ranks' queries), ``dextra``.
 
     The dK/dV accumulator that arrives from the previous rank is the one the local block's
-    gradients are added into (no fresh buffer per step); it travels as one stacked fp32 message.
+    gradients are added into (no fresh buffer per step); the first one is the kernel's own dK/dV.
+    dK and dV travel in fp32 as two messages of one batch.
     """
     n, me = comm.world_size, comm.rank
     delta = (dout.float() * out.float()).sum(-1) if backend == "reference" else None
@@ -143,16 +144,15 @@ def ring_bwd(comm: Comm, q, kv, kv_lens, scale, out, lse, dout, extra=None, back
             if g is not None:
                 _compute(blk[0]).add_(g[1])
                 _compute(blk[1]).add_(g[2])
+        elif g is not None:  # the block's own dK/dV become the accumulator (fp32, wire layout)
+            blk = tuple(_wire(x).float() for x in g[1:])
         else:
-            blk = (torch.empty if g is not None else torch.zeros)((2,) + tuple(k.shape), dtype=torch.float32)
-            if g is not None:
-                _compute(blk[0]).copy_(g[1])
-                _compute(blk[1]).copy_(g[2])
+            blk = tuple(torch.zeros(tuple(x.shape), dtype=torch.float32) for x in kv)
         # Pass the accumulator of the block we hold on; receive the one of the block we hold next.
         if n > 1:
             s = kv_lens[(me - step - 1) % n]
-            dkv = blk.new_empty(blk.shape[:2] + (s,) + blk.shape[3:])
-            dkv_reqs = _post(comm, [blk], [dkv], "ring_dkv")
+            dkv = tuple(x.new_empty(x.shape[:1] + (s,) + x.shape[2:]) for x in blk)
+            dkv_reqs = _post(comm, blk, dkv, "ring_dkv")
         else:
             dkv = blk
         if nxt is not None:
