@@ -82,11 +82,11 @@ def rank_bench(ctx, widths, T, H, W, mode, chunk, repeats):
     out = {}
     z = None
     for op in ("encode", "decode"):
-        times, peak = [], Peak()
+        times, cpus, peak = [], [], Peak()
         for i in range(repeats + 1):
             if i == 1:
                 peak.start()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             if op == "encode":
                 z = pv.encode(x, mode=mode).posterior.mean
                 res = z
@@ -94,7 +94,8 @@ def rank_bench(ctx, widths, T, H, W, mode, chunk, repeats):
                 res = pv.decode(z, mode=mode)
             if i >= 1:
                 times.append(time.perf_counter() - t0)
-        out[op] = (min(times), peak.added(), res if ctx.rank == 0 else None)
+                cpus.append(time.thread_time() - c0)
+        out[op] = (min(times), peak.added(), res if ctx.rank == 0 else None, min(cpus))
     return out
 
 
@@ -145,8 +146,9 @@ def main(args=None, parser=None) -> int:
             model = estimate(_cfg(widths), op, (T, H, W), n, mode, torch.float32, chunk or 1, gather=True, backend="cpu")
             model_bytes = model.total - model.weights  # the weights are resident before the measured region
             peak = max(r[op][1] for r in res)
-            rows.append((op, mode, n, r0[op][0], ref[op][0] / r0[op][0], peak, model_bytes, peak / max(model_bytes, 1) - 1,
-                         errs[op]))
+            cpu = max(r[op][3] for r in res)
+            rows.append((op, mode, n, r0[op][0], ref[op][0] / r0[op][0], cpu, cpu / ref[op][3], peak, model_bytes,
+                         peak / max(model_bytes, 1) - 1, errs[op]))
         print(rows[-2], rows[-1], flush=True)
     # tiled vs exact on one device
     vae = seeded_vae(_cfg(widths))
@@ -164,11 +166,15 @@ def main(args=None, parser=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# VAE benchmark (CPU, gloo, 1 thread per rank)", "",
              f"Reduced-width VAE of the released structure, widths {widths}, 8 groups, fp32; clip {T}x{H}x{W} "
-             f"(720p-like 16:9 frame scaled down); best of {a.repeats} after a warm-up.", "",
-             "| op | mode | SP | time s | speed-up vs 1 device | peak per rank MiB (measured) | model MiB | model error | max rel diff vs 1 device |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for op, mode, n, t, sp, peak, mb, me, err in rows:
-        lines.append(f"| {op} | {mode} | {n} | {t:.2f} | {sp:.2f} | {peak / 2**20:.1f} | {mb / 2**20:.1f} | {me:+.0%} | {err:.1e} |")
+             f"(720p-like 16:9 frame scaled down); best of {a.repeats} after a warm-up. Load average when the run "
+             f"started: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (a shared machine makes SP ranks wait for "
+             "each other's time slices: compare the CPU columns, which count only this rank's own work).", "",
+             "| op | mode | SP | time s | speed-up vs 1 device | CPU s per rank (max) | CPU vs 1 device | peak per rank MiB (measured) "
+             "| model MiB | model error | max rel diff vs 1 device |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for op, mode, n, t, sp, cpu, cpu_ratio, peak, mb, me, err in rows:
+        lines.append(f"| {op} | {mode} | {n} | {t:.2f} | {sp:.2f} | {cpu:.2f} | {cpu_ratio:.2f} | {peak / 2**20:.1f} "
+                     f"| {mb / 2**20:.1f} | {me:+.0%} | {err:.1e} |")
     lines += ["", "Model error = measured / modelled - 1 (activations, carried tails, clip tensors; weights excluded "
               "because they are resident before the measured region).", "",
               "## Tiled (APPROXIMATE) vs exact, one image", "",
