@@ -348,6 +348,8 @@ def _rows_to_rank0(comm: Comm, video: torch.Tensor, counts: list[int]) -> torch.
 def _frame_steps(last: torch.Tensor | None, frames: torch.Tensor) -> list[float]:
     """Mean absolute change of each step into ``frames`` (uint8), starting from the previous chunk's last frame."""
     x = frames.double() if last is None else torch.cat([last[None], frames]).double()
+    if x.shape[0] < 2:  # a single image, or one frame so far
+        return []
     return (x[1:] - x[:-1]).abs().reshape(x.shape[0] - 1, -1).mean(dim=1).tolist()
 
 
