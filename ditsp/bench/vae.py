@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import time
 from pathlib import Path
 
@@ -18,21 +17,11 @@ import torch
 
 from ..dist.comm import Comm
 from ..dist.launcher import LocalCluster
-from ..models.seedvr2.vae import RELEASED, TINY
+from ..memory import PeakMemory
+from ..models.seedvr2.vae import RELEASED
 from ..models.seedvr2.vae.fixtures import seeded_vae
 from ..models.seedvr2.vae.memory import estimate
 from ..models.seedvr2.vae.sharded import ParallelVAE
-
-
-def _status_kib(field: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def _exact_rss() -> None:
@@ -44,22 +33,6 @@ def _exact_rss() -> None:
         ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
     except Exception:  # noqa: BLE001 - not glibc: measure as is
         pass
-
-
-class Peak:
-    """CPU peak resident memory added by a region (VmHWM reset at start; Linux)."""
-
-    def start(self) -> None:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
-        self.base = _status_kib("VmRSS") * 1024
-
-    def added(self) -> int:
-        hwm = _status_kib("VmHWM") * 1024 or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return max(0, hwm - self.base)
 
 
 def _cfg(widths):
@@ -82,7 +55,7 @@ def rank_bench(ctx, widths, T, H, W, mode, chunk, repeats):
     out = {}
     z = None
     for op in ("encode", "decode"):
-        times, cpus, peak = [], [], Peak()
+        times, cpus, peak = [], [], PeakMemory(torch.device("cpu"))
         for i in range(repeats + 1):
             if i == 1:
                 peak.start()
@@ -95,7 +68,7 @@ def rank_bench(ctx, widths, T, H, W, mode, chunk, repeats):
             if i >= 1:
                 times.append(time.perf_counter() - t0)
                 cpus.append(time.thread_time() - c0)
-        out[op] = (min(times), peak.added(), res if ctx.rank == 0 else None, min(cpus))
+        out[op] = (min(times), peak.peak_added(), res if ctx.rank == 0 else None, min(cpus))
     return out
 
 
@@ -164,7 +137,7 @@ def main(args=None, parser=None) -> int:
                           ((td - exact_d).abs().max() / exact_d.abs().max()).item(), td))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    lines = [f"# VAE benchmark (CPU, gloo, 1 thread per rank)", "",
+    lines = ["# VAE benchmark (CPU, gloo, 1 thread per rank)", "",
              f"Reduced-width VAE of the released structure, widths {widths}, 8 groups, fp32; clip {T}x{H}x{W} "
              f"(720p-like 16:9 frame scaled down); best of {a.repeats} after a warm-up. Load average when the run "
              f"started: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (a shared machine makes SP ranks wait for "
