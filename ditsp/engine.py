@@ -53,6 +53,13 @@ class RunSpec:
     seed: int = 0
     warmup: int = 0
     repeats: int = 1
+    # "canonical": every rank holds the whole latent and the whole output (the model scatters and
+    # all-gathers); "rows": each rank holds only its contiguous shard of latent pixel rows, in and out
+    # (``NaDiT.forward(rows=...)``), and the output is gathered to rank 0 after the measured region.
+    feed: str = "canonical"
+    # CPU only: serve every allocation over 128 KiB by mmap (``memory.exact_cpu_peaks``), so the RSS
+    # peak is the tensors' peak instead of glibc's heap retention.
+    exact_memory: bool = False
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -131,12 +138,33 @@ def dispatch(fn: Callable, *args, sp: int, threads: int = 1, timeout_s: float = 
         return own.run(fn, *args, timeout_s=timeout_s)
 
 
+def input_rows(spec: RunSpec, patch) -> "RowOwnership":
+    """The contiguous shards of latent pixel rows ``feed="rows"`` gives the ranks (as even as possible)."""
+    from .windows.ownership import RowOwnership
+
+    fine = tuple(g * p for g, p in zip(spec.grid, patch))
+    n = fine[0] * fine[1] * fine[2]
+    return RowOwnership.contiguous(fine, [n // spec.sp + (r < n % spec.sp) for r in range(spec.sp)], "input-shards")
+
+
 def rank_forward(ctx: RankContext, spec: RunSpec, return_output: bool = True) -> dict:
     """One rank's forward(s); rank 0 also returns the output when asked."""
+    if spec.feed not in ("canonical", "rows"):
+        raise ValueError(f"feed must be 'canonical' or 'rows', got {spec.feed!r}")
+    if spec.exact_memory and ctx.device.type == "cpu":
+        from .memory import exact_cpu_peaks
+
+        exact_cpu_peaks()
     engine = Engine.get(spec.model_spec, ctx.device)
     model, vid, txt = build_for(spec, ctx.device)
     group = ctx.group if ctx.world_size > 1 else None
     rt = engine.runtime(spec.grid, spec.sp, group, spec.path, spec.planner)
+    rows = None
+    if spec.feed == "rows":  # this rank's shard only; the whole latent is dropped before any forward
+        rows = input_rows(spec, model.cfg.patch_size)
+        ids = torch.from_numpy(rows.rank_ids(ctx.rank)).to(vid.device)
+        latent_shape = vid.shape
+        vid = vid.reshape(-1, vid.shape[-1]).index_select(0, ids)
     times, memory = [], PeakMemory(ctx.device)
     for i in range(spec.warmup + spec.repeats):
         rt.comm.stats.reset()  # the report shows one forward's collectives (all are alike)
@@ -146,20 +174,26 @@ def rank_forward(ctx: RankContext, spec: RunSpec, return_output: bool = True) ->
             torch.cuda.synchronize(ctx.device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model(vid, txt, 1000.0, runtime=rt)
+            out = model(vid, txt, 1000.0, runtime=rt, rows=rows)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         if i >= spec.warmup:
             times.append(time.perf_counter() - t0)
+    peak = memory.peak_added()
     stats = rt.comm.stats
+    collectives = stats.as_dict()
+    summary = (stats.bytes_sent, stats.bytes_recv, stats.calls)
+    if rows is not None and return_output:  # outside the measured region: the whole output for rank 0
+        parts = rt.comm.all_gather_rows(out, [int(v) for v in rows.rank_rows], kind="result_gather")
+        out = torch.cat(parts).view(*latent_shape[:3], -1)
     return {
         "rank": ctx.rank,
         "times_s": times,
-        "peak_bytes": memory.peak_added(),
-        "bytes_sent": stats.bytes_sent,
-        "bytes_recv": stats.bytes_recv,
-        "calls": stats.calls,
-        "collectives": stats.as_dict(),
+        "peak_bytes": peak,
+        "bytes_sent": summary[0],
+        "bytes_recv": summary[1],
+        "calls": summary[2],
+        "collectives": collectives,
         "report": rt.report(heads=model.cfg.heads),
         "output": out.float().cpu() if return_output and ctx.rank == 0 else None,
     }

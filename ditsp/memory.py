@@ -63,3 +63,26 @@ def available_bytes(ranks_here: int, device: torch.device | None = None) -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")) // max(1, ranks_here)
+
+
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def exact_cpu_peaks(threshold: int = 128 * 1024) -> bool:
+    """Serve every CPU allocation over ``threshold`` bytes by mmap in this process (glibc only).
+
+    glibc raises its mmap threshold after the first large free (up to 32 MiB),
+    after which freed tensors stay in the heap: the RSS peak then measures the
+    allocator's retention, and two runs of the same forward can differ by a
+    third. With a fixed threshold each tensor is mapped and unmapped on its own,
+    so :class:`PeakMemory` on CPU reads the tensors' peak (what a device
+    allocator's peak reports). Returns whether the setting took effect.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
+    except (OSError, AttributeError):
+        return False

@@ -62,7 +62,9 @@ def measure(spec: RunSpec, sps: list[int], threads: int = 1, timeout_s: float = 
     torch.set_num_threads(threads)
     for sp, path, planner in bar:
         bar.set_postfix_str(f"SP={sp} {_label(path, planner)}")
-        s = replace(spec, sp=sp, path=path, planner=planner)
+        # Every path: exact CPU peaks (tensor bytes, not glibc's heap retention); under SP each rank
+        # holds only its shard of the latent in and out (the output is gathered after the measured region).
+        s = replace(spec, sp=sp, path=path, planner=planner, exact_memory=True, feed="rows" if sp > 1 else "canonical")
         if sp == 1:
             results = [rank_forward(RankContext(0, 1, None, torch.device("cpu")), s, return_output=False)]
             rows.append(_row("single device", 1, results, spec.grid, None))
@@ -72,8 +74,19 @@ def measure(spec: RunSpec, sps: list[int], threads: int = 1, timeout_s: float = 
             results = cluster.run(rank_forward, s, False, timeout_s=timeout_s)
         rows.append(_row(_label(path, planner), sp, results, spec.grid, planner if path == "window" else None))
     single = rows[0]["time_s"]
+    from ..models.seedvr2.nadit.config import get_config
+    from ..models.seedvr2.plan_report import memory_estimate
+
+    cfg = get_config(spec.model, spec.layers)
     for r in rows:
         r["vs_single"] = r["time_s"] / single
+        r["peak_vs_single"] = r["max_rank_peak_bytes"] / rows[0]["max_rank_peak_bytes"]
+        if r["path"].startswith("window/") or r["sp"] == 1:
+            planner = r["path"].split("/")[1] if "/" in r["path"] else "lpt"
+            est = memory_estimate(plan_schedule(spec.grid, cfg.window_methods, r["sp"], planner, cfg.num_windows), cfg,
+                                  dtype_bytes=4, feed="rows" if r["sp"] > 1 else "canonical")["peak_added"]
+            r["estimate_peak_bytes"] = est
+            r["estimate_error"] = est / r["max_rank_peak_bytes"] - 1
         uly = next((u for u in rows if u["path"] == "ulysses" and u["sp"] == r["sp"]), None)
         r["vs_ulysses"] = r["time_s"] / uly["time_s"] if uly else None
     return rows
@@ -110,16 +123,41 @@ def format_measured(rows: list[dict], spec: RunSpec, threads: int) -> str:
         f"model {spec.model} ({spec.layers or 'all'} layers), grid {spec.grid}, {spec.dtype}, {threads} thread(s) "
         f"per rank, median of {spec.repeats} after {spec.warmup} warm-up\n\n"
         "| path | SP | time s | vs single | vs Ulysses | rank time imbalance | token imbalance "
-        "| MiB sent (max rank) | MiB moved (all) | calls/rank | peak MiB (max rank) |\n"
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| MiB sent (max rank) | MiB moved (all) | calls/rank | peak MiB (max rank) | peak vs single "
+        "| estimate MiB (error) |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     )
     lines = [head]
     for r in rows:
         lines.append(
             f"| {r['path']} | {r['sp']} | {r['time_s']:.2f} | {r['vs_single']:.2f} | {_ratio(r['vs_ulysses'])} "
             f"| {r['time_imbalance']:.3f} | {r['token_imbalance']:.3f} | {_mib(r['max_rank_bytes_sent'])} "
-            f"| {_mib(r['bytes_moved'])} | {r['calls_per_rank']} | {_mib(r['max_rank_peak_bytes'])} |"
+            f"| {_mib(r['bytes_moved'])} | {r['calls_per_rank']} | {_mib(r['max_rank_peak_bytes'])} "
+            f"| {r['peak_vs_single']:.3f} | {_est(r)} |"
         )
+    return "\n".join(lines)
+
+
+def _est(r) -> str:
+    if "estimate_peak_bytes" not in r:
+        return "-"
+    return f"{_mib(r['estimate_peak_bytes'])} ({100 * r['estimate_error']:+.1f}%)"
+
+
+def memory_table(sps=(2, 4, 8)) -> str:
+    """Per-rank memory of the released 3B under window SP (locality, bf16, rows feed): the estimate of `ditsp plan`."""
+    from ..models.seedvr2.nadit.config import SEEDVR2_3B
+    from ..models.seedvr2.plan_report import memory_estimate, plan_request
+
+    g = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
+    lines = ["| request (81 frames) | SP | tokens (max rank) | weights GiB | MLP GiB | attention GiB | exchange GiB "
+             "| output GiB | peak added GiB | total GiB |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, grid in RESOLUTIONS.items():
+        for sp in sps:
+            m = memory_estimate(plan_request(grid, SEEDVR2_3B, sp, "locality"), SEEDVR2_3B)
+            lines.append(f"| {name} {grid} | {sp} | {m['rank_tokens']:,} | {g(m['weights'])} | {g(m['mlp'])} "
+                         f"| {g(m['attention'])} | {g(m['exchange'])} | {g(m['output'])} | {g(m['peak_added'])} "
+                         f"| {g(m['total'])} |")
     return "\n".join(lines)
 
 
@@ -210,7 +248,8 @@ def main(args: argparse.Namespace, parser=None) -> int:
     rows = measure(spec, sps, args.threads)
     ana = analytical()
     text = (f"## Measured forward\n\n{format_measured(rows, spec, args.threads)}\n\n"
-            f"## Full SeedVR2-3B, bytes per forward (analytical)\n\n{format_analytical(ana)}\n")
+            f"## Full SeedVR2-3B, bytes per forward (analytical)\n\n{format_analytical(ana)}\n\n"
+            f"## Full SeedVR2-3B, memory per rank under window SP (estimate, `ditsp plan`)\n\n{memory_table()}\n")
     print(text)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "forward.md"), "w") as f:

@@ -8,6 +8,50 @@ from ...windows.schedule import SchedulePlan, plan_schedule
 
 BF16 = 2
 
+# Live activation rows of width ``vid_dim`` at the attention peak of a window-SP layer (CPU grouped
+# SDPA: the block's input and its qkv, normed q/k, the group's gathered q/k/v, rotated q/k, the
+# text-extended k/v, the SDPA output, the output rows), measured with a live-tensor tracker on the
+# ``small`` model; the text rows (replicated, tens of rows) are left out.
+ATTN_ROWS = 12.5
+
+
+def memory_estimate(schedule: SchedulePlan, cfg: NaDiTConfig, dtype_bytes: int = BF16, feed: str = "rows") -> dict:
+    """Peak memory of the most loaded rank of a window-SP forward, by part (bytes).
+
+    ``activations`` is the block's peak (the larger of the MLP and attention
+    phases: the layer's input, attention output, new residual and MLP input
+    plus the MLP's hidden tensors; or :data:`ATTN_ROWS` rows of ``vid_dim``);
+    ``exchange`` is a layout change (old rows, packed send, received and
+    reordered rows); ``output`` the end of the forward: with ``feed="rows"``
+    the rank's output rows and their hand-off, with ``"canonical"`` the
+    all-gather of every rank's padded share plus the canonical and unpatched
+    copies of the whole output. ``peak_added`` is what a forward adds to a
+    rank holding the weights and its input (the largest phase);
+    ``total`` adds the weights and the input.
+    """
+    if feed not in ("rows", "canonical"):
+        raise ValueError(f"feed must be 'rows' or 'canonical', got {feed!r}")
+    b, d, p = dtype_bytes, cfg.vid_dim, schedule.world_size
+    n = max(int(plan.rank_tokens.max()) for plan in schedule.plans.values())
+    N = schedule.num_tokens
+    hidden = cfg.mlp_hidden * (3 if cfg.variant == "3b" else 2)  # SwiGLU: gate, product, in; GELU: fc1, act
+    mlp = n * (4 * d + hidden) * b
+    attention = int(n * ATTN_ROWS * d * b)
+    exchange = n * 4 * d * b
+    out_c, in_c = cfg.out_patch_channels, cfg.patch_channels
+    if feed == "rows":
+        output = n * (d + 2 * out_c) * b
+        inputs = -(-N // p) * in_c * b
+    else:
+        output = (p * n + 2 * N) * out_c * b + n * d * b
+        inputs = 2 * N * in_c * b  # the whole latent and its patched copy
+    phases = {"activations": max(mlp, attention), "mlp": mlp, "attention": attention, "exchange": exchange,
+              "output": output}
+    peak = max(mlp, attention, exchange, output)
+    weights = cfg.param_count() * b
+    return {"rank_tokens": n, "weights": weights, "input": inputs, **phases, "peak_added": peak,
+            "total": weights + inputs + peak, "feed": feed, "dtype_bytes": b}
+
 
 def summarize(schedule: SchedulePlan, cfg: NaDiTConfig) -> dict:
     """The plan of one request as a plain dict (the ``--json`` schema)."""
@@ -47,6 +91,7 @@ def summarize(schedule: SchedulePlan, cfg: NaDiTConfig) -> dict:
         "bytes_per_forward": {"window_sp": wsp.total, "ulysses": uly.total},
         "bytes_breakdown": {"window_sp": wsp.as_dict(), "ulysses": uly.as_dict()},
         "ulysses_heads_divisible": cfg.heads % p == 0,
+        "memory_per_rank": memory_estimate(schedule, cfg),
     }
 
 
@@ -91,6 +136,14 @@ def format_summary(summary: dict, notes: list[str] = ()) -> str:
         f"bytes per forward (bf16, all ranks): window SP {_gib(b['window_sp'])}, "
         f"Ulysses {_gib(b['ulysses'])} ({ratio:.2f}x)"
     )
+    m = summary.get("memory_per_rank")
+    if m:
+        lines.append(
+            f"memory per rank (bf16, window SP, most loaded rank {m['rank_tokens']:,} tokens): "
+            f"total {_gib(m['total'])} = weights {_gib(m['weights'])} + input {_gib(m['input'])} + peak "
+            f"{_gib(m['peak_added'])} (MLP {_gib(m['mlp'])}, attention workspace {_gib(m['attention'])}, "
+            f"exchange buffers {_gib(m['exchange'])}, output {_gib(m['output'])})"
+        )
     if not summary["ulysses_heads_divisible"]:
         lines.append("  (Ulysses as in the reference needs heads % SP == 0; window SP does not)")
     return "\n".join(lines)
