@@ -94,3 +94,26 @@ def check_request(runtime: SPRuntime, grid: Sequence[int], layer_methods: Sequen
     if tuple(runtime.grid) != tuple(grid) or tuple(runtime.layer_methods) != tuple(layer_methods):
         raise ValueError(f"runtime planned grid {tuple(runtime.grid)} with {len(runtime.layer_methods)} layers; "
                          f"{model} needs grid {tuple(grid)} with {len(layer_methods)} layers")
+
+
+class ScheduleRuntime:
+    """What runtimes planned on a :class:`~ditsp.windows.schedule.SchedulePlan` (``self.schedule``) share:
+    the request's grid and layer methods, and window packs cached per layout and device."""
+
+    schedule: object
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return tuple(self.schedule.grid)
+
+    @property
+    def layer_methods(self) -> tuple[str, ...]:
+        return tuple(self.schedule.layer_methods)
+
+    def window_pack(self, layer: int, device) -> WindowPack:
+        packs = self.__dict__.setdefault("_packs", {})
+        key = (self.schedule.layer_methods[layer], str(device))
+        if key not in packs:
+            packs[key] = WindowPack.build(self.local_window_shapes(layer), device)
+        return packs[key]
+

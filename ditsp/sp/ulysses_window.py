@@ -29,10 +29,10 @@ from ..windows.geometry import canonical_method, short_name
 from ..windows.schedule import plan_schedule
 from ..windows.ownership import RowOwnership
 from .handoff import rows_to_tokens, tokens_to_rows
-from .protocol import RopeFn
+from .protocol import RopeFn, ScheduleRuntime
 
 
-class UlyssesWindowRuntime:
+class UlyssesWindowRuntime(ScheduleRuntime):
     """Contiguous token shards + head-sharded window attention; implements :class:`SPRuntime`."""
 
     def __init__(self, grid: Sequence[int], layer_methods: Sequence[str], heads: int, comm: Comm,
@@ -49,15 +49,6 @@ class UlyssesWindowRuntime:
         self.heads = head_plan(heads, heads, self.world_size)
         self.current: str | None = None
         self._orders: dict = {}  # method -> canonical rows in window order
-        self._packs: dict = {}
-
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        return tuple(self.schedule.grid)
-
-    @property
-    def layer_methods(self) -> tuple[str, ...]:
-        return tuple(self.schedule.layer_methods)
 
     @property
     def head_shares(self) -> list[int]:
@@ -66,12 +57,6 @@ class UlyssesWindowRuntime:
     def local_window_shapes(self, layer: int) -> list[tuple[int, int, int]]:
         lay = self.schedule.layer_plan(layer).layout
         return [lay.window_shape(i) for i in range(len(lay))]
-
-    def window_pack(self, layer: int, device) -> WindowPack:
-        key = (self.schedule.layer_methods[layer], str(device))
-        if key not in self._packs:
-            self._packs[key] = WindowPack.build(self.local_window_shapes(layer), device)
-        return self._packs[key]
 
     def num_windows(self, layer: int) -> int:
         return len(self.schedule.layer_plan(layer).layout)

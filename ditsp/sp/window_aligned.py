@@ -43,10 +43,10 @@ from ..windows.plan import Plan
 from ..windows.schedule import SchedulePlan, plan_schedule
 from ..windows.ownership import RowOwnership
 from .handoff import rows_to_tokens, tokens_to_rows
-from .protocol import RopeFn
+from .protocol import RopeFn, ScheduleRuntime
 
 
-class WindowRuntime:
+class WindowRuntime(ScheduleRuntime):
     """Window-aligned SP for one request (grid) on one SP group; implements :class:`SPRuntime`."""
 
     def __init__(
@@ -81,7 +81,6 @@ class WindowRuntime:
         )
         self.schedule: SchedulePlan = plan_schedule(grid, methods, comm.world_size, planner, num_windows)
         self.current: str | None = None
-        self._packs: dict = {}  # (method, device) -> WindowPack
 
     @classmethod
     def single(cls, grid, layer_methods, num_windows=(4, 3, 3), dtype=torch.float32, planner="lpt",
@@ -90,14 +89,6 @@ class WindowRuntime:
         return cls(grid, layer_methods, Comm.single(), planner, num_windows, dtype, overlap)
 
     # -- layout facts --------------------------------------------------------
-
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        return tuple(self.schedule.grid)
-
-    @property
-    def layer_methods(self) -> tuple[str, ...]:
-        return tuple(self.schedule.layer_methods)
 
     @property
     def num_layers(self) -> int:
@@ -109,12 +100,6 @@ class WindowRuntime:
     def local_window_shapes(self, layer: int) -> list[tuple[int, int, int]]:
         plan = self.plan(layer)
         return [plan.layout.window_shape(i) for i in plan.rank_windows[self.rank]]
-
-    def window_pack(self, layer: int, device) -> WindowPack:
-        key = (self.schedule.layer_methods[layer], str(device))
-        if key not in self._packs:
-            self._packs[key] = WindowPack.build(self.local_window_shapes(layer), device)
-        return self._packs[key]
 
     def local_token_ids(self, layer: int) -> torch.Tensor:
         """Canonical ids of this rank's rows in ``layer``'s layout, in local order."""
