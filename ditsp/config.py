@@ -51,7 +51,7 @@ class ParallelConfig:
     advanced_uaa: bool = False
     ulysses_a2a_permute: bool = False
     window_planner: str = "lpt"
-    window_path: str = "window"
+    window_path: str = "auto"
     ulysses_a2a: str | None = None
     ulysses_a2a_long_training: str | None = None
     a2a_capacity_bytes: int | None = None

@@ -48,8 +48,8 @@ class RunSpec:
     layers: int | None = None
     checkpoint: str | None = None
     dtype: str = "fp32"
-    planner: str = "lpt"
-    path: str = "window"
+    planner: str | None = None  # None: the path's own (auto chooses); a name implies Plan A with it
+    path: str = "auto"
     seed: int = 0
     warmup: int = 0
     repeats: int = 1
@@ -103,7 +103,7 @@ class Engine:
             cls._cache[key] = cls(spec, device)
         return cls._cache[key]
 
-    def runtime(self, grid, sp: int, group, path: str = "window", planner: str = "lpt"):
+    def runtime(self, grid, sp: int, group, path: str = "auto", planner: str | None = None):
         """The SP runtime of a request (cached by grid, path, planner and group)."""
         from .models.seedvr2.parallelize import parallelize
 
@@ -111,7 +111,9 @@ class Engine:
         if key not in self._runtimes:
             if len(self._runtimes) >= self.MAX_RUNTIMES:
                 self._runtimes.pop(next(iter(self._runtimes)))
-            pc = ParallelConfig(ulysses_degree=sp, window_planner=planner)
+            if planner is not None and path == "auto":
+                path = "window"  # a named planner means Plan A with it
+            pc = ParallelConfig(ulysses_degree=sp, window_planner=planner or "lpt")
             self._runtimes[key] = parallelize(self.model.cfg, pc, grid, group, planner, path)
         return self._runtimes[key]
 

@@ -160,7 +160,7 @@ def rank_window(ctx, cfg: dict) -> dict:
             else:
                 worst = 0.0
                 for (vid, txt, ts), g in zip(reqs, grids):
-                    rt1 = parallelize(model.cfg, pc, g, ctx.group, cfg["planner"])
+                    rt1 = parallelize(model.cfg, pc, g, ctx.group, cfg["planner"], path="window")
                     with torch.no_grad():
                         model(vid, txt, ts, rt1)
                     worst = max(worst, max(p.imbalance for p in rt1.schedule.plans.values()))

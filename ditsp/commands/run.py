@@ -33,8 +33,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--layers", type=positive_int, help="override the model's layer count")
     p.add_argument("--checkpoint", help=".pth or .safetensors with the reference key names (else seeded weights)")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    p.add_argument("--planner", default="lpt", help="window planner")
-    p.add_argument("--path", default="window", choices=["window", "ulysses", "halo", "auto"],
+    p.add_argument("--planner", default=None,
+                   help="window planner (lpt, locality); giving one runs Plan A with it even under --path auto")
+    p.add_argument("--path", default="auto", choices=["window", "ulysses", "halo", "auto"],
                    help="Plan A (window), Ulysses baseline, halo-slab Plan B, or auto (cost model)")
     p.add_argument("--check", action="store_true", help="also run single-device and print the parity error")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -134,12 +135,13 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..windows.schedule import plan_limits
 
     check_layers(parser, args.layers, args.model, strict=bool(args.checkpoint))
-    check_planner(parser, args.planner)
+    if args.planner is not None:
+        check_planner(parser, args.planner)
     if args.checkpoint and not os.path.isfile(args.checkpoint):
         parser.error(f"--checkpoint {args.checkpoint}: no such file")
     grid, notes = resolve_grid(args, parser)
     cfg = get_config(args.model, args.layers)
-    plan = check_plan_size(parser, args, grid, cfg, args.sp, args.planner)
+    plan = check_plan_size(parser, args, grid, cfg, args.sp, args.planner or "locality")  # auto plans every path
     check_resources(parser, args, cfg, grid, plan.bytes)
     spec = RunSpec(model=args.model, grid=grid, sp=args.sp, layers=args.layers, checkpoint=args.checkpoint,
                    dtype=args.dtype, planner=args.planner, path=args.path, seed=args.seed,

@@ -42,7 +42,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    choices=["auto", "replicated", "chunked", "time", "height", "height+chunks", "tiled"])
     p.add_argument("--vae-chunk", type=int, default=1, help="latent frames per causal chunk in chunked VAE modes")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 for seedvr2-*, fp32 for tiny")
-    p.add_argument("--planner", default="lpt", choices=["lpt", "locality"], help="window planner of the DiT")
+    p.add_argument("--planner", default=None, choices=["lpt", "locality"],
+                   help="window planner of the DiT (default: the SP path is chosen by the cost model)")
     p.add_argument("--max-memory", type=float, metavar="GiB",
                    help="per-rank memory budget (default: free memory / local ranks)")
     p.add_argument("--force", action="store_true", help="run even if the memory estimate exceeds the budget")

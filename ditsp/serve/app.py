@@ -316,7 +316,7 @@ def _upscale_args(settings: Settings, src: str, out: str, opts: dict) -> argpars
         scale=opts.get("scale"), size=opts.get("size"), seed=opts.get("seed", 666),
         color_fix=opts.get("color_fix", "wavelet"), window_frames=opts.get("window_frames", 0),
         overlap=opts.get("overlap", 4), vae_mode=opts.get("vae_mode", "auto"), vae_chunk=opts.get("vae_chunk", 1),
-        planner=opts.get("planner", "lpt"), max_memory=None, force=False, fps=opts.get("fps"),
+        planner=opts.get("planner"), max_memory=None, force=False, fps=opts.get("fps"),
         crf=opts.get("crf", 18), overwrite=False, threads=settings.threads, timeout=settings.job_timeout_s,
         plot=None, check=False, json=True, no_progress=True,
     )

@@ -81,7 +81,7 @@ class Controller:
         self._stop = threading.Event()
         self._next_index = 0
         self._deaths: list[float] = []  # monotonic times deaths were noticed, not yet rebuilt
-        self._planner = "lpt"
+        self._planner = None  # the SP path by the cost model unless a job names a planner
         self._failed_steps = 0
         self._grids: set = set()  # DiT grids of recent jobs: their plans are rebuilt with the group
         self._tcp = None

@@ -6,13 +6,15 @@ configuration against what SeedVR2 can run (window attention only: no ring,
 no uneven-head Ulysses, no permuted transport) and returns the runtime the
 model's forward takes:
 
-- ``path="window"`` (default): window-aligned SP, planner from the config;
+- ``path="window"``: window-aligned SP (Plan A), planner from the config;
 - ``path="ulysses"``: the Ulysses baseline (contiguous token shards, heads
   moved around window attention), for comparison;
 - ``path="halo"``: halo-slab Plan B (fixed slabs, halo Q/K/V lent to attention);
 - ``path="auto"``: the cheapest of Plan A (LPT, locality), Plan B and Ulysses by
   :func:`ditsp.sp.choice.choose`, the same on every rank; its report names the
-  choice and the runner-up. ``path=None`` takes ``parallel_config.window_path``.
+  choice and the runner-up. This is the default: ``path=None`` takes
+  ``parallel_config.window_path`` (``"auto"``), or ``"window"`` when a planner
+  is named.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ PATHS = ("window", "ulysses", "halo", "auto")
 
 
 def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: Sequence[int], group=None,
-                planner: str | None = None, path: str | None = "window") -> SPRuntime:
+                planner: str | None = None, path: str | None = None) -> SPRuntime:
     """The SP runtime of one request of model ``cfg`` on SP group ``group`` (None: one rank).
 
     ``group``'s size must equal the configured SP degree. Text sums are
@@ -47,7 +49,7 @@ def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: 
             f"window-aligned SP degree {pc.sp_degree} needs an SP group of {pc.sp_degree} ranks, got {world}")
     comm = Comm.of(group)
     configure(comm, pc)  # the exchange's transport policy (chunked all-to-all) of this config
-    path = path or pc.window_path
+    path = path or ("window" if planner else pc.window_path)  # a named planner means Plan A with it
     if path == "auto":
         return _auto(cfg, grid, comm)
     if path == "window":

@@ -75,7 +75,7 @@ class UpscaleRequest:
     vae_mode: str = "auto"
     vae_chunk: int = 1
     budget_gib: float | None = None  # per-rank memory budget for the VAE's auto mode and the estimate
-    planner: str = "lpt"
+    planner: str | None = None  # None: the DiT's SP path by the cost model (path auto); a name: Plan A with it
     sp: int = 1
     crf: int = 18
     fps: float | None = None  # output frame rate; default: the input's (24 for a folder of frames)
@@ -265,7 +265,7 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
 SLAB_MODES = ("height", "height+chunks")
 
 
-def _runtime(runtimes: dict, ctx, dit, grid, planner: str):
+def _runtime(runtimes: dict, ctx, dit, grid, planner: str | None):
     if grid not in runtimes:
         group = ctx.group if ctx.world_size > 1 else None
         runtimes[grid] = parallelize(dit.cfg, ParallelConfig(ulysses_degree=ctx.world_size), grid, group, planner)
