@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ditsp.dist.launcher import LocalCluster
 
@@ -27,3 +28,13 @@ def clusters():
     yield get
     for c in pool.values():
         c.close()
+
+
+@pytest.fixture
+def one_thread():
+    """Run the test body like a rank: one compute thread (bitwise comparisons hold per thread count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+

@@ -10,17 +10,11 @@ from ditsp.models.seedvr2.parallelize import parallelize
 from ditsp.sp.halo_slab import HaloSlabRuntime, plan_halo
 from ditsp.windows.traffic import halo_traffic
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]
 
 RAGGED, FEW_SLABS, TWO_ROWS = (5, 20, 36), (1, 3, 8), (2, 1, 7)  # 3 and 2 slabs: more ranks than slabs at SP 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("grid", [RAGGED, FEW_SLABS, TWO_ROWS, (21, 45, 80)])

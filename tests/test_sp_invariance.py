@@ -27,20 +27,13 @@ from ditsp.models.seedvr2.nadit.tokenwise import ROW_BLOCK, TokenLinear, linear_
 from ditsp.models.seedvr2.parallelize import parallelize
 from ditsp.windows.schedule import plan_schedule
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]
 
 DATA = Path(__file__).parent / "data"
 ONE_ROW, SMALL_ROWS, EMPTY, RAGGED = (1, 21, 21), (5, 1, 2), (2, 4, 7), (5, 20, 36)
 DEGREES = (2, 3, 4, 5)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The references run like the ranks: one compute thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # -- rank functions (module level: they travel to the ranks by name) ----------------------------------
