@@ -10,7 +10,6 @@ seeded embedding of the preset's shape stands in.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from .nadit.config import PRESETS as DIT_PRESETS
 from .nadit.model import build_model
 from .vae import VideoVAE, load_checkpoint
+from .vae.fixtures import seeded_vae
 from .vae.config import PRESETS as VAE_PRESETS
 
 # DiT preset -> VAE preset.
@@ -52,22 +52,6 @@ class SeedVR2:
     text: torch.Tensor
 
 
-@torch.no_grad()
-def init_vae_(vae: VideoVAE, seed: int) -> VideoVAE:
-    """Seeded VAE weights, identical on every rank: convs and linears ``randn / sqrt(fan_in)``,
-    biases ``0.1 randn``, norm weights ``1 + 0.1 randn``, norm biases ``0.1 randn``."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in vae.named_parameters():
-        r = torch.randn(p.shape, generator=g)
-        if "norm" in name:
-            p.copy_(1.0 + 0.1 * r if name.endswith("weight") else 0.1 * r)
-        elif p.ndim == 1:
-            p.copy_(0.1 * r)
-        else:
-            p.copy_(r / math.sqrt(max(1, p[0].numel())))
-    return vae
-
-
 _CACHE: dict = {}
 
 
@@ -88,7 +72,7 @@ def load(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2:
         vae = vae.to_empty(device="cpu")
         load_checkpoint(vae, spec.vae, dtype=torch.float32)
     else:
-        vae = init_vae_(VideoVAE(vae_cfg), spec.seed + 7)
+        vae = seeded_vae(vae_cfg, spec.seed + 7)
     vae = vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
     cfg = dit.cfg
     if spec.text_embedding:
