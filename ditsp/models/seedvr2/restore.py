@@ -97,12 +97,16 @@ class _Frames:
         if self._buf is not None and start > self._start:
             self._buf = self._buf[start - self._start :]
             self._start = start
-        while self._buf is None or self._start + self._buf.shape[0] < stop:
+        parts = [] if self._buf is None else [self._buf]
+        have = self._start + sum(p.shape[0] for p in parts)
+        while have < stop:  # decode what the window still needs; one concatenation, not one per chunk
             chunk = next(self._chunks, None)
             if chunk is None:
-                have = 0 if self._buf is None else self._start + self._buf.shape[0]
                 raise ValueError(f"the input ended after {have} frames; {stop} were expected")
-            self._buf = chunk if self._buf is None else torch.cat([self._buf, chunk])
+            parts.append(chunk)
+            have += chunk.shape[0]
+        if len(parts) > 1 or self._buf is None:
+            self._buf = torch.cat(parts)
         return self._buf[start - self._start : stop - self._start]
 
 
