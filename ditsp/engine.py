@@ -111,8 +111,6 @@ class Engine:
         if key not in self._runtimes:
             if len(self._runtimes) >= self.MAX_RUNTIMES:
                 self._runtimes.pop(next(iter(self._runtimes)))
-            if planner is not None and path == "auto":
-                path = "window"  # a named planner means Plan A with it
             pc = ParallelConfig(ulysses_degree=sp, window_planner=planner or "lpt")
             self._runtimes[key] = parallelize(self.model.cfg, pc, grid, group, planner, path)
         return self._runtimes[key]

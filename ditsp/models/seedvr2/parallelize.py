@@ -49,7 +49,9 @@ def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: 
             f"window-aligned SP degree {pc.sp_degree} needs an SP group of {pc.sp_degree} ranks, got {world}")
     comm = Comm.of(group)
     configure(comm, pc)  # the exchange's transport policy (chunked all-to-all) of this config
-    path = path or ("window" if planner else pc.window_path)  # a named planner means Plan A with it
+    path = path or pc.window_path
+    if path == "auto" and planner:
+        path = "window"  # a named planner means Plan A with it
     if path == "auto":
         return _auto(cfg, grid, comm)
     if path == "window":
