@@ -125,12 +125,19 @@ class WindowRuntime(ScheduleRuntime):
         """This rank's rows of ``src`` (a fine-grid ownership) -> its patched rows of layer 0, one exchange."""
         self.current = self.schedule.layer_methods[0]
         self.exposed_s = 0.0
-        return rows_to_tokens(x_rows, src, RowOwnership.of_plan(self.plan(0)), patch, self.comm)
+        return rows_to_tokens(x_rows, src, self._ownership(self.current), patch, self.comm)
 
     def gather_rows(self, y_local: torch.Tensor, dst: RowOwnership, patch) -> torch.Tensor:
         """This rank's output rows -> its rows of ``dst`` (a fine-grid ownership), one exchange."""
-        tokens = RowOwnership.of_plan(self.schedule.plans[self.current])
+        tokens = self._ownership(self.current)
         return tokens_to_rows(y_local, tokens, dst, patch, self.comm)
+
+    def _ownership(self, method: str) -> RowOwnership:
+        """The row ownership of ``method``'s plan, built once per runtime (its transitions are cached by it)."""
+        owners = self.__dict__.setdefault("_owners", {})
+        if method not in owners:
+            owners[method] = RowOwnership.of_plan(self.schedule.plans[method])
+        return owners[method]
 
     def ensure_layout(self, x: torch.Tensor, current: str, required: str) -> torch.Tensor:
         """Re-shard ``x`` from layout ``current`` to ``required`` (identity when equal)."""
