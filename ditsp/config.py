@@ -27,9 +27,9 @@ class ParallelConfig:
     - ``use_allgather``: AllGather-KV instead of the ring on the outer axis.
     - ``advanced_uaa``: uneven Ulysses all-to-all, i.e. head counts that do not
       divide by ``ulysses_degree`` (uneven head shards). Off is the strict mode.
-    - ``ulysses_a2a_permute``: Ulysses transport variant: Q, K and V are each permuted
-      to head-major and exchanged in their own all-to-all (3 calls, no stacked pack
-      buffer) instead of one stacked Q/K/V all-to-all; same results, same bytes
+    - ``ulysses_a2a_stacked``: Ulysses transport variant: Q, K and V travel in one
+      stacked all-to-all (1 call) instead of one each (3 calls, the default: a send
+      stage of one tensor at a time, the lower peak); same results, same bytes
       (see ditsp.attention.ulysses).
     - ``window_planner``: window planner for window-aligned SP.
     - ``window_path``: the SP runtime of a window model: ``window`` (Plan A,
@@ -49,7 +49,7 @@ class ParallelConfig:
     ring_degree: int = 1
     use_allgather: bool = False
     advanced_uaa: bool = False
-    ulysses_a2a_permute: bool = False
+    ulysses_a2a_stacked: bool = False
     window_planner: str = "lpt"
     window_path: str = "auto"
     ulysses_a2a: str | None = None
@@ -97,7 +97,7 @@ class ParallelConfig:
             "ring_degree > 1": self.ring_degree > 1,
             "use_allgather": self.use_allgather,
             "advanced_uaa": self.advanced_uaa,
-            "ulysses_a2a_permute": self.ulysses_a2a_permute,
+            "ulysses_a2a_stacked": self.ulysses_a2a_stacked,
         }
         for what, bad in rejected.items():
             if bad:

@@ -17,7 +17,7 @@ ZERO_HEAD_CASES = [
     ("ulysses", 3, 1, (1, 12, 2, 2, 8, 3)),  # H=2 at SP=3, joint text
     ("usp-allgather", 2, 2, (1, 12, 1, 1, 8, 3)),  # USP-AllGather 2x2 with H=1
     ("usp-ring", 2, 2, (1, 13, 1, 1, 8, 2)),
-    ("ulysses-permute", 3, 1, (1, 10, 2, 1, 8, 2)),  # MQA, Q/K/V exchanged separately
+    ("ulysses-stacked", 3, 1, (1, 10, 2, 1, 8, 2)),  # MQA, Q/K/V in one stacked exchange
 ]
 
 

@@ -84,7 +84,7 @@ def test_build_runtime_validates_for_seedvr2():
     assert rt.world_size == 1 and rt.report(heads=TINY.heads) == (
         "window-aligned Plan A, planner lpt, SP=1, 3 heads on every rank")
     for bad in (dict(ring_degree=2), dict(use_allgather=True), dict(advanced_uaa=True),
-                dict(ulysses_a2a_permute=True)):
+                dict(ulysses_a2a_stacked=True)):
         with pytest.raises(ParallelConfigError, match="window"):
             parallelize(TINY, ParallelConfig(**bad), GRID)
     with pytest.raises(ParallelConfigError, match="needs an SP group of 2"):

@@ -9,13 +9,14 @@ both and its gradients are summed on the way back.
 Sequence shards may be uneven (lengths gathered once per call): buffers are
 packed flat, one element-split per peer, so no padding and no masks.
 
-Transport: by default Q, K and V travel in ONE stacked all-to-all (their
-gradients on the way back go one all-to-all each: they are all alive at
-once, so stacking them would only add a buffer of all three).
-``ulysses_a2a_permute=True`` permutes each tensor to head-major and exchanges
-Q, K and V separately: three calls instead of one, but no stacked pack buffer
-(peak extra memory of the largest tensor instead of all three). Results are
-identical.
+Transport: by default Q, K and V go in one all-to-all each (3 calls, like
+the peers): the send stage then holds one tensor's crossing rows at a time,
+the lowest peak. ``stacked=True`` (``ParallelConfig.ulysses_a2a_stacked``)
+moves all three in one call instead (fewer rounds, a send stage of all
+three). Gradients on the way back always go one all-to-all each. Either way
+the send side is packed by the transport straight from the tensors
+(:class:`WireBlocks`), and a rank's own block is copied into place without
+entering the collective. Results are identical.
 
 Layouts (no copy after an exchange): the wire block for a peer is sequence-major with the tensors'
 head shares side by side in each row, so the received buffer already is ``[S, B, heads x D]`` and
@@ -77,45 +78,102 @@ def _offsets(ws):
     return o
 
 
-def _move(comm: Comm, buf: torch.Tensor, ins, outs, kind, key, planes: int, grad: bool):
-    """One transport all-to-all of the flat ``buf`` (element splits); ``planes`` as the codec reports them."""
-    src = transport.Rows(buf)
+def _move(comm: Comm, src, ins, outs, kind, key, planes: int, grad: bool):
+    """One transport all-to-all of a flat source (element splits); ``planes`` as the codec reports them."""
+    if isinstance(src, torch.Tensor):
+        src = transport.Rows(src)
     src.planes = planes  # per-plane sizes as before: (batch items x tensors x peers) planes
     return transport.all_to_all(comm, src, ins, outs, kind, key=key, grad=True if grad else None)
+
+
+class WireBlocks:
+    """The flat send buffer of :func:`seq_to_head`, packed on demand (a transport source).
+
+    Peer p's block is ``[s_me, B, W_p]``: each sequence row holds the p-shares of all tensors side
+    by side. :meth:`copy_rows` writes any element range of it straight from the tensors, so the
+    transport stages only the chunk in flight and copies this rank's own block into the output
+    without building the whole buffer.
+    """
+
+    def __init__(self, xs, head_ranges, n: int):
+        self.xs, self.head_ranges = xs, head_ranges
+        self.b, self.s = xs[0].shape[0], xs[0].shape[1]
+        self.widths = [sum(_widths(xs, head_ranges, p)) for p in range(n)]
+        self.offsets = _offsets([self.s * self.b * w for w in self.widths])
+        self.rows, self.row_shape = self.offsets[-1], ()
+        self.dtype, self.device, self.planes = xs[0].dtype, xs[0].device, 1
+        self.requires_grad = False  # the codec's autograd Functions own the gradients
+
+    def materialize(self) -> torch.Tensor:
+        buf = self.xs[0].new_empty(self.rows)
+        self.copy_rows(0, self.rows, buf)
+        return buf
+
+    def view_rows(self, a: int, b: int):
+        return None
+
+    def _block_rows(self, p: int, r0: int, r1: int, dst: torch.Tensor) -> None:
+        """Sequence rows ``[r0, r1)`` of peer p's block into ``dst`` (``(r1 - r0) * B * W_p`` elements)."""
+        blk, c = dst.view(r1 - r0, self.b, self.widths[p]), 0
+        for x, hr in zip(self.xs, self.head_ranges):
+            lo, hi = hr[p]
+            w = (hi - lo) * x.shape[-1]
+            if w:
+                blk[:, :, c : c + w].view(r1 - r0, self.b, hi - lo, x.shape[-1]).copy_(
+                    x[:, r0:r1, lo:hi].transpose(0, 1))
+            c += w
+
+    def copy_rows(self, a: int, b: int, dst: torch.Tensor) -> None:
+        o = 0
+        for p in range(len(self.widths)):
+            lo, hi = max(a, self.offsets[p]), min(b, self.offsets[p + 1])
+            if hi <= lo:
+                continue
+            row = self.b * self.widths[p]
+            e0, e1 = lo - self.offsets[p], hi - self.offsets[p]
+            r0, r1 = -(-e0 // row), e1 // row  # whole sequence rows inside [e0, e1)
+            if r1 < r0:  # inside one row: pack it, keep the slice
+                tmp = dst.new_empty(row)
+                self._block_rows(p, e0 // row, e0 // row + 1, tmp)
+                dst[o : o + e1 - e0].copy_(tmp[e0 % row : e0 % row + e1 - e0])
+                o += e1 - e0
+                continue
+            if e0 < r0 * row:  # head: the end of row r0 - 1
+                tmp = dst.new_empty(row)
+                self._block_rows(p, r0 - 1, r0, tmp)
+                dst[o : o + r0 * row - e0].copy_(tmp[e0 - (r0 - 1) * row :])
+                o += r0 * row - e0
+            if r1 > r0:
+                self._block_rows(p, r0, r1, dst[o : o + (r1 - r0) * row])
+                o += (r1 - r0) * row
+            if e1 > r1 * row:  # tail: the start of row r1
+                tmp = dst.new_empty(row)
+                self._block_rows(p, r1, r1 + 1, tmp)
+                dst[o : o + e1 - r1 * row].copy_(tmp[: e1 - r1 * row])
+                o += e1 - r1 * row
 
 
 def seq_to_head(comm: Comm, xs, head_ranges, seq_lens, kind="ulysses_a2a", stacked=True):
     """``[B, s_me, H_t, D]`` sequence shards -> ``[B, h_t(me), S, D]`` head shards, per tensor t.
 
-    Wire layout: every rank sends peer p one block ``[s_me, B, W_p]`` whose rows hold the p-shares of
-    all tensors side by side (``W_p`` = sum over t of ``h_t(p) * D_t``). Blocks arrive in rank order,
-    so the receive buffer is already ``[S, B, W_me]``: every returned head shard is a strided view of
-    it (sequence stride ``B * W_me``), with no copy after the exchange.
+    Wire layout (:class:`WireBlocks`): every rank sends peer p one block ``[s_me, B, W_p]`` whose
+    rows hold the p-shares of all tensors side by side (``W_p`` = sum over t of ``h_t(p) * D_t``).
+    Blocks arrive in rank order, so the receive buffer is already ``[S, B, W_me]``: every returned
+    head shard is a strided view of it (sequence stride ``B * W_me``), with no copy after the
+    exchange. The send side is packed by the transport, chunk by chunk, straight from the tensors.
     """
     if not stacked:
         return [seq_to_head(comm, [x], [hr], seq_lens, kind, True)[0] for x, hr in zip(xs, head_ranges)]
     me, n = comm.rank, comm.world_size
-    b, s_me, ref = xs[0].shape[0], xs[0].shape[1], xs[0]
-    send_w = [sum(_widths(xs, head_ranges, p)) for p in range(n)]
-    buf = ref.new_empty(s_me * b * sum(send_w))
-    o = 0
-    for p in range(n):
-        blk = buf[o : o + s_me * b * send_w[p]].view(s_me, b, send_w[p])
-        c = 0
-        for x, hr in zip(xs, head_ranges):
-            lo, hi = hr[p]
-            w = (hi - lo) * x.shape[-1]
-            if w:
-                blk[:, :, c : c + w].view(s_me, b, hi - lo, x.shape[-1]).copy_(x[:, :, lo:hi].transpose(0, 1))
-            c += w
-        o += s_me * b * send_w[p]
+    b = xs[0].shape[0]
+    wire = WireBlocks(xs, head_ranges, n)
+    s_me = wire.s
     ws = _widths(xs, head_ranges, me)
     W = sum(ws)
     key = ("ulysses_s2h", tuple(int(v) for v in seq_lens), b,
            tuple((tuple(map(tuple, hr)), int(x.shape[-1])) for x, hr in zip(xs, head_ranges)))
-    out = _move(comm, buf, [s_me * b * w for w in send_w], [int(s) * b * W for s in seq_lens], kind, key,
+    out = _move(comm, wire, [s_me * b * w for w in wire.widths], [int(s) * b * W for s in seq_lens], kind, key,
                 b * n * len(xs), any(x.requires_grad for x in xs))
-    del buf  # the send buffer goes before anything else is allocated
     S = sum(int(s) for s in seq_lens)
     full = out.view(S, b, W)
     res, c = [], 0
@@ -156,7 +214,7 @@ def head_to_seq(comm: Comm, xs, head_ranges, seq_lens, total_heads, kind="ulysse
            tuple((tuple(map(tuple, hr)), int(x.shape[-1])) for x, hr in zip(xs, head_ranges)))
     out = _move(comm, buf, [int(s) * b * W for s in seq_lens], [s_me * b * w for w in recv_w], kind, key,
                 b * n * len(xs), any(x.requires_grad for x in xs))
-    del buf  # the send buffer goes before the outputs are allocated
+    del buf  # a packed send buffer goes before the outputs are allocated
     outs = []
     for t, (x, hr, th) in enumerate(zip(xs, head_ranges, total_heads)):
         d = x.shape[-1]
@@ -213,12 +271,13 @@ class HeadToSeq(torch.autograd.Function):
         return (None, None, None, None, None, *seq_to_head(comm, gs, hr, lens, "ulysses_a2a_bwd", stacked))
 
 
-def to_heads(comm: Comm, plan: HeadPlan, seq_lens: Sequence[int], q, k, v, stacked: bool = True):
-    """Sequence-sharded q, k, v -> this rank's head shard of the whole sequence (one all-to-all)."""
+def to_heads(comm: Comm, plan: HeadPlan, seq_lens: Sequence[int], q, k, v, stacked: bool = False):
+    """Sequence-sharded q, k, v -> this rank's head shard of the whole sequence (one all-to-all each,
+    or one in all with ``stacked``)."""
     hr = [plan.q, plan.kv, plan.kv]
     return SeqToHead.apply(comm, hr, list(seq_lens), stacked, q, k, v)
 
 
-def to_seq(comm: Comm, plan: HeadPlan, seq_lens: Sequence[int], out, stacked: bool = True):
+def to_seq(comm: Comm, plan: HeadPlan, seq_lens: Sequence[int], out, stacked: bool = False):
     """Head-sharded output -> sequence shard with all heads."""
     return HeadToSeq.apply(comm, [plan.q], list(seq_lens), [plan.heads], stacked, out)[0]

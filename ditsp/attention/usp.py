@@ -107,7 +107,7 @@ class SPAttention:
     """Global attention over a sequence sharded on ``U x R`` ranks; takes and returns ``[B, L, H, D]``."""
 
     def __init__(self, ulysses_group=None, ring_group=None, sp_group=None, outer: str = "ring",
-                 stacked: bool = True, strict: bool = False, name: str = "usp", backend: str | None = None):
+                 stacked: bool = False, strict: bool = False, name: str = "usp", backend: str | None = None):
         if outer not in ("ring", "allgather"):
             raise ValueError(f"outer must be 'ring' or 'allgather', got {outer!r}")
         self.stats = CommStats()
@@ -161,7 +161,7 @@ class SPAttention:
         u, r = config.ulysses_degree, config.ring_degree
         outer = "allgather" if config.use_allgather else "ring"
         name = "ulysses" if r == 1 else (outer if u == 1 else f"usp-{outer}")
-        attn = cls(groups.ulysses, groups.ring, groups.sp, outer, not config.ulysses_a2a_permute,
+        attn = cls(groups.ulysses, groups.ring, groups.sp, outer, config.ulysses_a2a_stacked,
                    not config.advanced_uaa, name, backend)
         from ..dist.transport import configure
 
@@ -229,7 +229,7 @@ class SPAttention:
         return torch.cat([ot, ov] if joint == "front" else [ov, ot], 1)
 
 
-def Ulysses(group, stacked: bool = True, strict: bool = False, backend: str | None = None) -> SPAttention:
+def Ulysses(group, stacked: bool = False, strict: bool = False, backend: str | None = None) -> SPAttention:
     return SPAttention(group, None, group, "ring", stacked, strict, "ulysses", backend)
 
 

@@ -1,9 +1,11 @@
-"""`ditsp bench overlap`: layout changes with and without ``WindowRuntime(overlap=True)``.
+"""`ditsp bench overlap`: window-SP layout changes inside a forward, per transport policy.
 
-Measured: one model and grid on local gloo ranks, the two modes interleaved
-(off, on, off, on, ...) in one run so background load hits both alike; per
-mode the forward time and the time spent in layout changes (the exposed
-exchange: from entering the change to holding the new rows). Analytical: per
+Measured: one model and grid on local gloo ranks, the transport policies
+``off`` and ``chunked`` (at ``--capacity-mib``) interleaved (off, chunked,
+off, ...) in one run so background load hits both alike; per policy the
+forward time and the time spent in layout changes (the exposed exchange: from
+entering the change to holding the new rows; the staying rows are placed
+while the crossing rows are in flight under both). Analytical: per
 layer of the released 3B (bf16), the slowest rank's exchange time on a link
 of ``ditsp.sp.choice.Link`` (bytes over bandwidth plus one latency) against
 its compute time per layer, and what each kind of overlap could hide.
@@ -23,43 +25,54 @@ from ..commands.common import positive_int
 from .forward import RESOLUTIONS
 
 
-def _rank(ctx, model_name: str, grid, layers: int, planner: str, repeats: int) -> dict:
+MODES = ("off", "chunked")
+
+
+def _rank(ctx, model_name: str, grid, layers: int, planner: str, repeats: int, capacity: int) -> dict:
     import torch
 
+    from ..dist import transport as tp
     from ..dist.comm import Comm
     from ..engine import RunSpec, build_for
     from ..sp.window_aligned import WindowRuntime
 
     model, vid, txt = build_for(RunSpec(model_name, tuple(grid), ctx.world_size, layers=layers))
     cfg = model.cfg
-    rts = {ov: WindowRuntime(grid, cfg.window_methods, Comm.of(ctx.group), planner, cfg.num_windows, torch.float64,
-                             overlap=ov) for ov in (False, True)}
-    out = {False: {"forward": [], "exchange": []}, True: {"forward": [], "exchange": []}}
+    rts, out = {}, {}
+    for mode in MODES:
+        comm = Comm.of(ctx.group)
+        tp.configure(comm, tp.TransportSettings(policy=mode, capacity_bytes=capacity))
+        rts[mode] = WindowRuntime(grid, cfg.window_methods, comm, planner, cfg.num_windows, torch.float64)
+        out[mode] = {"forward": [], "exchange": []}
     with torch.no_grad():
-        for ov in (False, True):  # warm-up: plans, caches, index tensors
-            model(vid, txt, 1000.0, runtime=rts[ov])
+        for mode in MODES:  # warm-up: plans, caches, index tensors, agreement
+            model(vid, txt, 1000.0, runtime=rts[mode])
+            out[mode]["chunks"] = tp.report(rts[mode].comm).get("chunks", 1)
         for _ in range(repeats):
-            for ov in (False, True):
+            for mode in MODES:
                 t0 = time.perf_counter()
-                model(vid, txt, 1000.0, runtime=rts[ov])
-                out[ov]["forward"].append(time.perf_counter() - t0)
-                out[ov]["exchange"].append(rts[ov].exposed_s)
-    return {("on" if k else "off"): v for k, v in out.items()}
+                model(vid, txt, 1000.0, runtime=rts[mode])
+                out[mode]["forward"].append(time.perf_counter() - t0)
+                out[mode]["exchange"].append(rts[mode].exposed_s)
+    return out
 
 
-def measure(model: str, grid, layers: int, sp: int, planner: str, repeats: int, threads: int = 1) -> dict:
+def measure(model: str, grid, layers: int, sp: int, planner: str, repeats: int, threads: int = 1,
+            capacity: int = 1 << 20) -> dict:
     from ..dist.launcher import LocalCluster
 
     with LocalCluster(sp, timeout_s=1800, threads=threads) as cluster:
-        res = cluster.run(_rank, model, tuple(grid), layers, planner, repeats, timeout_s=1800)
-    row = {"model": model, "grid": list(grid), "layers": layers, "sp": sp, "planner": planner, "repeats": repeats}
-    for mode in ("off", "on"):
+        res = cluster.run(_rank, model, tuple(grid), layers, planner, repeats, capacity, timeout_s=1800)
+    row = {"model": model, "grid": list(grid), "layers": layers, "sp": sp, "planner": planner, "repeats": repeats,
+           "capacity": capacity}
+    for mode in MODES:
         # per repeat, the slowest rank (a forward ends with it); then the median over repeats
         fw = [max(r[mode]["forward"][i] for r in res) for i in range(repeats)]
         ex = [max(r[mode]["exchange"][i] for r in res) for i in range(repeats)]
-        row[mode] = {"forward_s": statistics.median(fw), "exchange_s": statistics.median(ex)}
-    row["forward_on_over_off"] = row["on"]["forward_s"] / row["off"]["forward_s"]
-    row["exchange_on_over_off"] = row["on"]["exchange_s"] / max(row["off"]["exchange_s"], 1e-12)
+        row[mode] = {"forward_s": statistics.median(fw), "exchange_s": statistics.median(ex),
+                     "chunks": max(r[mode]["chunks"] for r in res)}
+    row["forward_ratio"] = row["chunked"]["forward_s"] / row["off"]["forward_s"]
+    row["exchange_ratio"] = row["chunked"]["exchange_s"] / max(row["off"]["exchange_s"], 1e-12)
     return row
 
 
@@ -98,15 +111,16 @@ def format_tables(row: dict | None, ana: list[dict], threads: int) -> str:
     if row:
         out.append(
             f"model {row['model']} ({row['layers']} layers), grid {tuple(row['grid'])}, SP={row['sp']}, planner "
-            f"{row['planner']}, {threads} thread(s) per rank, gloo loopback, modes interleaved, median of "
-            f"{row['repeats']} (slowest rank per forward)\n\n"
-            "| mode | forward s | time in layout changes s | share of forward |\n| --- | ---: | ---: | ---: |")
-        for mode in ("off", "on"):
+            f"{row['planner']}, {threads} thread(s) per rank, gloo loopback, policies interleaved, median of "
+            f"{row['repeats']} (slowest rank per forward), chunked capacity {row['capacity'] / 2**20:g} MiB\n\n"
+            "| transport | chunks per change | forward s | time in layout changes s | share of forward |\n"
+            "| --- | ---: | ---: | ---: | ---: |")
+        for mode in MODES:
             m = row[mode]
-            out.append(f"| overlap {mode} | {m['forward_s']:.3f} | {m['exchange_s']:.3f} "
+            out.append(f"| {mode} | {m['chunks']} | {m['forward_s']:.3f} | {m['exchange_s']:.3f} "
                        f"| {100 * m['exchange_s'] / m['forward_s']:.1f}% |")
-        out.append(f"\non/off: forward {row['forward_on_over_off']:.3f}, layout changes "
-                   f"{row['exchange_on_over_off']:.3f}\n")
+        out.append(f"\nchunked/off: forward {row['forward_ratio']:.3f}, layout changes "
+                   f"{row['exchange_ratio']:.3f}\n")
     out.append("| request (81 frames) | SP | exchange ms/layer | compute ms/layer | exchange/compute "
                "| rows kept (min rank) | hideable if stay-windows ran first, ms |")
     out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -117,7 +131,8 @@ def format_tables(row: dict | None, ana: list[dict], threads: int) -> str:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("overlap", help="window SP layout changes with and without overlap (measured + analytical)")
+    p = sub.add_parser("overlap", help="window SP layout changes per transport policy (measured) and what "
+                       "overlap could hide (analytical)")
     p.add_argument("--model", default="small")
     p.add_argument("--layers", type=positive_int, default=4)
     p.add_argument("--grid", default="5,45,80", help="post-patch grid T,H,W")
@@ -125,6 +140,7 @@ def add_parser(sub) -> None:
     p.add_argument("--planner", default="lpt")
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--capacity-mib", type=float, default=1.0, help="staging capacity of the chunked policy (MiB)")
     p.add_argument("--analytical-only", action="store_true")
     p.add_argument("--out", default="benchmarks/results", help="folder for overlap.md and overlap.json")
     p.set_defaults(func=main)
@@ -135,7 +151,7 @@ def main(args: argparse.Namespace, parser=None) -> int:
 
     grid = parse_grid(args.grid)
     row = None if args.analytical_only else measure(args.model, grid, args.layers, args.sp, args.planner,
-                                                    args.repeats, args.threads)
+                                                    args.repeats, args.threads, int(args.capacity_mib * 2**20))
     ana = analytical()
     text = format_tables(row, ana, args.threads)
     print(text)

@@ -11,17 +11,13 @@ between layers, the text reduction and the final gather. With one rank it
 runs the same code with local permutations and no collectives, which is how
 the single-device model runs.
 
-``overlap=True`` splits each layout change into what crosses ranks and what
-stays: the rows bound for other ranks go out in one asynchronous all-to-all
-(this rank's own split is zero), the rows that stay are copied into place
-while that transfer is in flight, and the received rows are placed after the
-wait. Every rank still issues exactly one all-to-all per layout change (a rank
-with nothing to send or receive joins with empty splits), and the result is
-the same rows in the same places, so the output is bit for bit the one of
-``overlap=False``. What it can hide is the stay copy (on a device with a copy
-engine, also any work queued before the wait); starting the next layer's
-stay-windows before the rest arrive would need the block to run its rows in two
-groups, which this runtime cannot do without changing the model.
+Each layout change goes through the transport (:mod:`ditsp.dist.transport`):
+the rows bound for other ranks go out in one asynchronous all-to-all per
+chunk, the rows that stay are gathered into place while they are in flight,
+and the received rows are scattered to their places after the wait. Every
+rank issues the same calls (a rank with nothing to move joins with empty
+splits). Starting the next layer's stay-windows before the rest arrive would
+need the block to run its rows in two groups, which this runtime does not do.
 ``exposed_s`` accumulates the wall time spent in layout changes (per forward,
 reset by :meth:`scatter`).
 """
@@ -57,10 +53,8 @@ class WindowRuntime(ScheduleRuntime):
         planner: str = "lpt",
         num_windows: Sequence[int] = (4, 3, 3),
         dtype: torch.dtype = torch.float32,
-        overlap: bool = False,
     ):
         self.comm = comm
-        self.overlap = bool(overlap)
         self.exposed_s = 0.0
         self.rank, self.world_size = comm.rank, comm.world_size
         self.dtype = dtype
@@ -76,17 +70,16 @@ class WindowRuntime(ScheduleRuntime):
                 "planner": planner,
                 "dtype": str(dtype),
                 "world_size": comm.world_size,
-                "overlap": self.overlap,
             },
         )
         self.schedule: SchedulePlan = plan_schedule(grid, methods, comm.world_size, planner, num_windows)
         self.current: str | None = None
 
     @classmethod
-    def single(cls, grid, layer_methods, num_windows=(4, 3, 3), dtype=torch.float32, planner="lpt",
-               overlap: bool = False) -> "WindowRuntime":
+    def single(cls, grid, layer_methods, num_windows=(4, 3, 3), dtype=torch.float32,
+               planner="lpt") -> "WindowRuntime":
         """One rank, no process group: the single-device path."""
-        return cls(grid, layer_methods, Comm.single(), planner, num_windows, dtype, overlap)
+        return cls(grid, layer_methods, Comm.single(), planner, num_windows, dtype)
 
     # -- layout facts --------------------------------------------------------
 
@@ -145,52 +138,10 @@ class WindowRuntime(ScheduleRuntime):
         if current != required:
             t0 = time.perf_counter()
             t = self.schedule.transition_between(current, required)
-            if self.overlap and t.exchange_required:
-                x = self._exchange_overlapped(x, t)
-            else:
-                x = exchange(x, t, self.comm)
+            x = exchange(x, t, self.comm)
             self.exposed_s += time.perf_counter() - t0
         self.current = required
         return x
-
-    def _overlap_indices(self, t, device) -> dict:
-        """This rank's split of transition ``t`` into staying and crossing rows (cached with ``t``)."""
-        def make() -> dict:
-            r = self.rank
-            send = torch.from_numpy(t.send_index(r))
-            recv = torch.from_numpy(t.recv_order(r))  # dst-local j <- received row recv[j]
-            ins = [int(v) for v in t.counts[r]]
-            outs = [int(v) for v in t.counts[:, r]]
-            s0, r0 = sum(ins[:r]), sum(outs[:r])
-            own = ins[r]
-            stay = (recv >= r0) & (recv < r0 + own)
-            remote_send = torch.cat([send[:s0], send[s0 + own:]])
-            buf_pos = recv[~stay]
-            buf_pos = torch.where(buf_pos >= r0 + own, buf_pos - own, buf_pos)  # the buffer has no own segment
-            ins[r], outs[r] = 0, 0
-            return {
-                "stay_dst": torch.nonzero(stay).flatten().to(device),
-                "stay_src": send[s0 + recv[stay] - r0].to(device),
-                "send": remote_send.to(device), "recv_dst": torch.nonzero(~stay).flatten().to(device),
-                "recv_buf": buf_pos.to(device), "ins": ins, "outs": outs, "rows": int(t.counts[:, r].sum()),
-            }
-
-        return t.memo(("overlap", self.rank, str(device)), make)
-
-    def _exchange_overlapped(self, x: torch.Tensor, t) -> torch.Tensor:
-        """One asynchronous all-to-all of the crossing rows; the staying rows are placed while it runs."""
-        idx = self._overlap_indices(t, x.device)
-        if x.shape[0] != int(t.counts[self.rank].sum()):
-            raise ValueError(f"rank {self.rank} holds {x.shape[0]} rows; the plan says {int(t.counts[self.rank].sum())}")
-        packed = x.index_select(0, idx["send"])
-        buf = x.new_empty((sum(idx["outs"]),) + tuple(x.shape[1:]))
-        work = self.comm.all_to_all_single_async(buf, packed, idx["outs"], idx["ins"], kind="window_exchange")
-        out = x.new_empty((idx["rows"],) + tuple(x.shape[1:]))
-        out.index_copy_(0, idx["stay_dst"], x.index_select(0, idx["stay_src"]))  # while the transfer runs
-        if work is not None:
-            work.wait()
-        out.index_copy_(0, idx["recv_dst"], buf.index_select(0, idx["recv_buf"]))
-        return out
 
     def enter_layer(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         """Make ``x`` hold ``layer``'s layout, whatever the schedule did before."""
@@ -225,5 +176,4 @@ class WindowRuntime(ScheduleRuntime):
     def report(self, heads: int | None = None) -> str:
         """Names the execution path, e.g. for a run report."""
         heads_txt = f", {heads} heads on every rank" if heads else ""
-        ov = ", overlapped exchange" if self.overlap else ""
-        return f"window-aligned Plan A, planner {self.schedule.planner}, SP={self.world_size}{heads_txt}{ov}"
+        return f"window-aligned Plan A, planner {self.schedule.planner}, SP={self.world_size}{heads_txt}"

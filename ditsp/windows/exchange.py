@@ -1,10 +1,11 @@
 """Plan A: move activation rows from one window plan to another.
 
-Each rank packs its rows grouped by destination (each group already in the
-destination's local order), one variable-split ``all_to_all_single`` moves
-them (through :mod:`ditsp.dist.transport`: whole, or in chunks bounded by
-its capacity), and the receiver restores its local order with one gather by
-the precomputed permutation. Whether any row crosses ranks is read off the
+Each rank's rows are packed grouped by destination (each group already in
+the destination's local order) and moved by :mod:`ditsp.dist.transport`
+(whole, or in chunks bounded by its capacity): rows that cross ranks go
+through one variable-split all-to-all per chunk, rows that stay are gathered
+into place while they fly, and received rows are scattered to their
+dst-local positions (precomputed once per transition). Whether any row crosses ranks is read off the
 global count matrix, so all ranks take the same branch; a rank that sends
 and receives nothing still joins the collective. When ownership does not
 change (always at SP=1) the change is a local permutation.
@@ -26,7 +27,7 @@ class RankIndices:
     """One rank's share of a transition, as torch index tensors (built once, cached)."""
 
     send_index: torch.Tensor  # src-local rows, in send order
-    recv_order: torch.Tensor  # received rows -> dst-local order
+    placement: transport.Placement  # received row j (peer order) -> dst-local position
     input_splits: list[int]  # row r of the count matrix
     output_splits: list[int]  # column r of the count matrix
     local_perm: torch.Tensor | None  # src-local -> dst-local rows when nothing crosses ranks
@@ -37,9 +38,11 @@ def rank_indices(t: Transition, rank: int, device: torch.device | str = "cpu") -
     def make() -> RankIndices:
         send = torch.from_numpy(t.send_index(rank)).to(device)
         recv = torch.from_numpy(t.recv_order(rank)).to(device)
+        inverse = torch.empty_like(recv)
+        inverse[recv] = torch.arange(recv.numel(), dtype=recv.dtype, device=recv.device)
         return RankIndices(
             send_index=send,
-            recv_order=recv,
+            placement=transport.Placement(inverse),
             input_splits=[int(v) for v in t.counts[rank]],
             output_splits=[int(v) for v in t.counts[:, rank]],
             local_perm=None if t.exchange_required else send[recv],
@@ -55,6 +58,6 @@ def exchange(x: torch.Tensor, t: Transition, comm: Comm) -> torch.Tensor:
         raise ValueError(f"rank {comm.rank} holds {x.shape[0]} rows; the plan says {sum(idx.input_splits)}")
     if idx.local_perm is not None:  # same ownership: no collective on any rank
         return x.index_select(0, idx.local_perm)
-    # Packed and reordered by the transport: whole (off) or in chunks bounded by its capacity.
+    # Packed and placed by the transport: whole (off) or in chunks bounded by its capacity.
     return transport.all_to_all(comm, transport.Rows(x, idx.send_index), idx.input_splits, idx.output_splits,
-                                "window_exchange", recv_order=idx.recv_order, key=transport.matrix_key(t.counts))
+                                "window_exchange", place=idx.placement, key=transport.matrix_key(t.counts))
