@@ -286,3 +286,24 @@ def test_ulysses_wire_blocks_copy_any_element_range():
         dst = torch.full((b - a,), float("nan"))
         wire.copy_rows(a, b, dst)
         assert torch.equal(dst, whole[a:b])
+
+
+def rank_contiguous_chunks(ctx):
+    comm = Comm(ctx.group)
+    x = torch.randn(40, 3) + ctx.rank
+    ins = [15, 25] if ctx.rank == 0 else [10, 30]
+    outs = [ins[0], 10] if ctx.rank == 0 else [25, 30]
+    got = {}
+    for policy in ("off", "chunked"):
+        tp.configure(comm, tp.TransportSettings(policy=policy, capacity_bytes=64))
+        comm.staging_peak(reset=True)
+        got[policy] = (tp.all_to_all(comm, x, ins, outs, key="contig"), comm.staging_peak(), tp.report(comm))
+    return got
+
+
+def test_contiguous_rows_are_never_staged(clusters):
+    """Two ranks, a plain tensor: every chunk goes straight from the source into the output."""
+    for got in clusters(2).run(rank_contiguous_chunks):
+        (off, off_peak, _), (ch, ch_peak, rep) = got["off"], got["chunked"]
+        assert torch.equal(off, ch) and rep["chunks"] > 1
+        assert off_peak == 0 and ch_peak == 0

@@ -4,8 +4,9 @@
                           [--tokens 32768,131072,250000] [--heads 4] [--head-dim 16] [--dtype bf16]
                           [--window-grid 5,135,240] [--window-width 64] [--repeats 5]
 
-Cases: a Ulysses transport (Q, K, V sequence -> head shards, then the output
-head -> sequence shards; no attention compute) at each ``--tokens``, and one
+Cases: a Ulysses transport (Q, K, V sequence -> head shards, one exchange
+each, then the output head -> sequence shards; no attention compute) at each
+``--tokens``, and one
 window-SP transition (regular -> shifted SeedVR2 layout) of ``--window-grid``
 (5 x 135 x 240 is five latent frames of a 4K video). Each policy runs on the
 same ranks, interleaved repeat by repeat, on a fresh Comm so the first call
@@ -187,8 +188,9 @@ def format_table(rows: list[dict], cfg: dict) -> str:
             f"{r['staging'] / mib:.1f} | {r['rss'] / mib:.0f} |")
     lines += ["", "Busiest rank per column. Latency: host to completion of one call (Ulysses: Q/K/V in and the "
               "output back); the first call includes the agreement (one small all-gather per new key), later "
-              "calls reuse it. Staging peak: the transport's own buffers (off: the packed send buffer, and the "
-              "receive buffer where the output is reordered; chunked: two send stages and one receive stage); "
+              "calls reuse it. Staging peak: the transport's own buffers, which hold crossing rows only (a rank's "
+              "own rows are copied into place): a send stage where rows must be packed (two when chunks are "
+              "pipelined) and a receive stage where they must be scattered; none where rows lie contiguous. "
               "RSS peak: what one call added to the process (outputs included)."]
     return "\n".join(lines)
 

@@ -467,24 +467,33 @@ def _execute(comm: Comm, plan: Plan, src, ins, outs, kind, place: Placement | No
     new = dict(dtype=src.dtype, device=src.device)
     out = torch.empty((sum(outs),) + shape, **new)
 
-    def span(off, sizes):  # the crossing rows as one range, when they are contiguous (k == 1)
-        lo = next((off[p] for p in range(n) if sizes[p]), 0)
-        hi = next((off[p + 1] for p in reversed(range(n)) if sizes[p]), lo)
-        return (lo, hi) if k == 1 and hi - lo == sum(sizes) else None
+    def run(off, cuts, c):  # chunk c's rows as one range [lo, hi) of the buffer, when its pieces abut
+        rs = [(off[p] + cuts[p][c], off[p] + cuts[p][c + 1]) for p in range(n) if cuts[p][c + 1] > cuts[p][c]]
+        if rs and all(a[1] == b[0] for a, b in zip(rs, rs[1:])):
+            return rs[0][0], rs[-1][1]
+        return None
 
-    s_span = span(in_off, cin)
-    send_view = src.view_rows(*s_span) if s_span is not None else None
-    r_span = span(out_off, cout) if place is None else None
-    smax, rmax = max(sum(c) for c in send_c), max(sum(c) for c in recv_c)
-    nsend = 0 if send_view is not None else (2 if k > 1 else 1)
+    # Chunks whose rows lie contiguous go straight from the source / into the output (no staging).
+    send_view, recv_view = [], []
+    for c in range(k):
+        r = run(in_off, in_cuts, c)
+        send_view.append(None if r is None else src.view_rows(*r))
+        r = run(out_off, out_cuts, c) if place is None else None
+        recv_view.append(None if r is None else out[r[0] : r[1]])
+    packs = sum(v is None and sum(send_c[c]) > 0 for c, v in enumerate(send_view))
+    smax = max([sum(send_c[c]) for c in range(k) if send_view[c] is None] or [0])
+    rmax = max([sum(recv_c[c]) for c in range(k) if recv_view[c] is None] or [0])
+    nsend = min(packs, 2)
     sbufs = [torch.empty((smax,) + shape, **new) for _ in range(nsend)]
-    rbuf = out[r_span[0] : r_span[1]] if r_span is not None else torch.empty((rmax,) + shape, **new)
-    staged = (nsend * smax + (0 if r_span is not None else rmax)) * _row_bytes(src)
+    rbuf = torch.empty((rmax,) + shape, **new)
+    staged = (nsend * smax + rmax) * _row_bytes(src)
     dst_index = None if place is None else place.index
 
     def pack(c):
-        if send_view is not None:
-            return send_view
+        if send_view[c] is not None:
+            return send_view[c]
+        if not sum(send_c[c]):
+            return sbufs[0][:0] if sbufs else rbuf[:0]
         buf, o = sbufs[c % nsend], 0
         for p in range(n):
             a, b = in_cuts[p][c], in_cuts[p][c + 1]
@@ -494,7 +503,7 @@ def _execute(comm: Comm, plan: Plan, src, ins, outs, kind, place: Placement | No
         return buf[:o]
 
     def unpack(c):
-        if r_span is not None:
+        if recv_view[c] is not None:
             return
         o = 0
         for p in range(n):
@@ -517,7 +526,8 @@ def _execute(comm: Comm, plan: Plan, src, ins, outs, kind, place: Placement | No
             torch.index_select(as_words(src.x), 0, g, out=as_words(out))
 
     def post(c, packed):
-        return comm.all_to_all_single_async(rbuf[: sum(recv_c[c])], packed, recv_c[c], send_c[c], kind=kind)
+        into = recv_view[c] if recv_view[c] is not None else rbuf[: sum(recv_c[c])]
+        return comm.all_to_all_single_async(into, packed, recv_c[c], send_c[c], kind=kind)
 
     comm.staging(staged)
     try:
