@@ -40,7 +40,7 @@ def test_layout_changes_are_one_device_bits_under_every_policy(clusters, world, 
         ref = model(vid, txt, 1000.0)
     for planner in ("lpt", "locality"):
         off = clusters(world).run(policy_forward, planner, "off", 1 << 30, dtype)
-        capacity = 4096
+        capacity = 8192
         ch = clusters(world).run(policy_forward, planner, "chunked", capacity, dtype)
         for (y, stats, peak, crossing, _), (y_ch, stats_ch, peak_ch, _, rep) in zip(off, ch):
             assert torch.equal(y, ref) and torch.equal(y_ch, ref)

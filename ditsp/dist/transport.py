@@ -7,9 +7,10 @@ peer, like ``all_to_all_single``) for the Ulysses codec
 
 - ``off``: one ``all_to_all_single`` of the rows that cross ranks;
 - ``chunked``: every crossing peer segment is cut into the same number of
-  chunks K so that the staging buffers of a rank (two send stages and one
-  receive stage) never exceed the capacity; one all-to-all per chunk, the next
-  chunk packed straight from the source while the current one is in flight;
+  chunks K so that the staging buffers of a rank (two send and two receive
+  stages) never exceed the capacity; one all-to-all per chunk, the next chunk
+  packed straight from the source and the previous one unpacked while the
+  current one is in flight;
 - ``auto``: ``chunked`` where the crossing rows would not fit the capacity on
   some rank, else ``off``; grad-tracked operands above the per-plane threshold
   keep ``off`` unless the long-training opt-in is ``chunked``.
@@ -257,11 +258,11 @@ def chunk_rows(splits: Sequence[int], k: int) -> list[list[int]]:
 
 
 def staging_bytes(in_splits: Sequence[int], out_splits: Sequence[int], row_bytes: int, k: int) -> int:
-    """Bound on the staging one rank allocates for ``k`` chunks: send stages (2 when pipelined) + one
-    receive stage, each at most ``sum ceil(split / k)`` rows (the exact chunks never exceed it)."""
+    """Bound on the staging one rank allocates for ``k`` chunks: a send and a receive stage (two of each
+    when pipelined), each at most ``sum ceil(split / k)`` rows (the exact chunks never exceed it)."""
     s = sum(-(-int(v) // k) for v in in_splits)
     r = sum(-(-int(v) // k) for v in out_splits)
-    return (min(k, 2) * s + r) * row_bytes
+    return min(k, 2) * (s + r) * row_bytes
 
 
 def chunks_needed(in_splits: Sequence[int], out_splits: Sequence[int], row_bytes: int, capacity: int) -> int:
@@ -452,9 +453,9 @@ def _execute(comm: Comm, plan: Plan, src, ins, outs, kind, place: Placement | No
 
     Every rank issues the same ``k`` calls (a rank with nothing to move joins with empty splits). The own
     segment is copied once, straight from the source to its place in the output, while the first chunk
-    is in flight; chunk c+1 is packed while chunk c is in flight. Staging: up to two send stages and one
-    receive stage of crossing rows, none where the rows already lie contiguous (send straight from the
-    source, receive straight into the output).
+    is in flight; chunk c+1 is packed, and chunk c-1 unpacked, while chunk c is in flight. Staging: up to
+    two send and two receive stages of crossing rows, none where the rows already lie contiguous (sent
+    straight from the source, received straight into the output).
     """
     if plan.error:
         raise TransportError(f"rank {comm.rank}: {plan.error}")
@@ -483,17 +484,18 @@ def _execute(comm: Comm, plan: Plan, src, ins, outs, kind, place: Placement | No
     packs = sum(v is None and sum(send_c[c]) > 0 for c, v in enumerate(send_view))
     smax = max([sum(send_c[c]) for c in range(k) if send_view[c] is None] or [0])
     rmax = max([sum(recv_c[c]) for c in range(k) if recv_view[c] is None] or [0])
-    nsend = min(packs, 2)
+    unpacks = sum(v is None and sum(recv_c[c]) > 0 for c, v in enumerate(recv_view))
+    nsend, nrecv = min(packs, 2), max(min(unpacks, 2), 1)
     sbufs = [torch.empty((smax,) + shape, **new) for _ in range(nsend)]
-    rbuf = torch.empty((rmax,) + shape, **new)
-    staged = (nsend * smax + rmax) * _row_bytes(src)
+    rbufs = [torch.empty((rmax,) + shape, **new) for _ in range(nrecv)]
+    staged = (nsend * smax + nrecv * rmax) * _row_bytes(src)
     dst_index = None if place is None else place.index
 
     def pack(c):
         if send_view[c] is not None:
             return send_view[c]
         if not sum(send_c[c]):
-            return sbufs[0][:0] if sbufs else rbuf[:0]
+            return rbufs[0][:0]
         buf, o = sbufs[c % nsend], 0
         for p in range(n):
             a, b = in_cuts[p][c], in_cuts[p][c + 1]
@@ -505,7 +507,7 @@ def _execute(comm: Comm, plan: Plan, src, ins, outs, kind, place: Placement | No
     def unpack(c):
         if recv_view[c] is not None:
             return
-        o = 0
+        rbuf, o = rbufs[c % nrecv], 0
         for p in range(n):
             a, b = out_cuts[p][c], out_cuts[p][c + 1]
             if b > a:
@@ -526,7 +528,7 @@ def _execute(comm: Comm, plan: Plan, src, ins, outs, kind, place: Placement | No
             torch.index_select(as_words(src.x), 0, g, out=as_words(out))
 
     def post(c, packed):
-        into = recv_view[c] if recv_view[c] is not None else rbuf[: sum(recv_c[c])]
+        into = recv_view[c] if recv_view[c] is not None else rbufs[c % nrecv][: sum(recv_c[c])]
         return comm.all_to_all_single_async(into, packed, recv_c[c], send_c[c], kind=kind)
 
     comm.staging(staged)
@@ -537,8 +539,8 @@ def _execute(comm: Comm, plan: Plan, src, ins, outs, kind, place: Placement | No
             packed = pack(c)  # while chunk c-1 is in flight
             if work is not None:
                 work.wait()
-            unpack(c - 1)
             work = post(c, packed)
+            unpack(c - 1)  # while chunk c is in flight
         if work is not None:
             work.wait()
         unpack(k - 1)
