@@ -1,6 +1,6 @@
 """`ditsp bench transport`: the all-to-all transport under two policies, same argv, side by side.
 
-    ditsp bench transport [--sp 2] [--policies off,chunked] [--capacity-mib 16]
+    ditsp bench transport [--sp 2] [--policies off,chunked] [--capacity-mib 8,2]
                           [--tokens 32768,131072,250000] [--heads 4] [--head-dim 16] [--dtype bf16]
                           [--window-grid 5,135,240] [--window-width 64] [--repeats 5]
 
@@ -33,7 +33,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("transport", help="all-to-all transport policies side by side (latency, bytes, peak memory)")
     p.add_argument("--sp", type=positive_int, default=2)
     p.add_argument("--policies", default="off,chunked", help="two or more of off, auto, chunked")
-    p.add_argument("--capacity-mib", type=float, default=16.0, help="staging capacity per rank (MiB)")
+    p.add_argument("--capacity-mib", default="8,2",
+                   help="staging capacity per rank (MiB); several (comma-separated) run chunked/auto once each")
     p.add_argument("--tokens", type=positive_int_list, default=[32768, 131072, 250000])
     p.add_argument("--heads", type=positive_int, default=4)
     p.add_argument("--head-dim", type=positive_int, default=16)
@@ -45,6 +46,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--out", default="benchmarks/results/transport.md")
     p.set_defaults(func=main)
     return p
+
+
+def _variants(cfg: dict) -> list[tuple[str, str, int]]:
+    """(label, policy, capacity) per column: off once, chunked/auto once per capacity."""
+    out = []
+    for policy in cfg["policies"]:
+        caps = cfg["capacities"][:1] if policy == "off" else cfg["capacities"]
+        for c in caps:
+            label = policy if policy == "off" or len(caps) == 1 else f"{policy} {c / 2**20:g} MiB"
+            out.append((label, policy, c))
+    return out
 
 
 def _barrier(comm):
@@ -106,10 +118,10 @@ def rank_bench(ctx, cfg: dict) -> list[dict]:
     peak_mem = PeakMemory(ctx.device)
     for name, tokens, call in cases:
         comms = {}
-        for policy in cfg["policies"]:
-            comms[policy] = Comm(ctx.group)
-            tp.configure(comms[policy], tp.TransportSettings(policy=policy, capacity_bytes=cfg["capacity"]))
-        res = {p: {"times": [], "rss": []} for p in cfg["policies"]}
+        for label, policy, capacity in _variants(cfg):
+            comms[label] = Comm(ctx.group)
+            tp.configure(comms[label], tp.TransportSettings(policy=policy, capacity_bytes=capacity))
+        res = {p: {"times": [], "rss": []} for p in comms}
         for i in range(cfg["repeats"] + 1):  # call 0 pays the agreement
             for policy, comm in comms.items():
                 comm.stats.reset()
@@ -134,7 +146,7 @@ def rank_bench(ctx, cfg: dict) -> list[dict]:
                 r["report"] = tp.report(comm)
                 r["used"] = "+".join(f"{p}x{n}" for p, n in sorted(tp.transport_of(comm).used.items()))
         # The agreement alone: the same small all-gather the transport issues on a new key.
-        c = comms[cfg["policies"][0]]
+        c = next(iter(comms.values()))
         n_ints = 11 + 2 * ctx.world_size
         c.all_gather_ints([0] * n_ints)
         _barrier(c)
@@ -142,7 +154,7 @@ def rank_bench(ctx, cfg: dict) -> list[dict]:
         for _ in range(20):
             c.all_gather_ints([0] * n_ints)
         agree_s = (time.perf_counter() - t0) / 20
-        for policy in cfg["policies"]:
+        for policy in comms:
             r = res[policy]
             rows.append({"case": name, "tokens": tokens, "policy": policy, "first": r["first"],
                          "median": statistics.median(r["times"]), "min": min(r["times"]), "agree": agree_s,
@@ -167,16 +179,17 @@ def run_bench(cfg: dict, cluster=None) -> list[dict]:
 
 def format_table(rows: list[dict], cfg: dict) -> str:
     mib = 2**20
-    base = {r["case"]: r for r in rows if r["policy"] == cfg["policies"][0]}
+    first = _variants(cfg)[0][0]
+    base = {r["case"]: r for r in rows if r["policy"] == first}
     lines = [
         f"`ditsp bench transport --sp {cfg['sp']} --policies {','.join(cfg['policies'])} "
-        f"--capacity-mib {cfg['capacity'] / mib:g} --tokens {','.join(map(str, cfg['tokens']))} "
+        f"--capacity-mib {','.join(f'{c / mib:g}' for c in cfg['capacities'])} --tokens {','.join(map(str, cfg['tokens']))} "
         f"--heads {cfg['heads']} --head-dim {cfg['head_dim']} --dtype {cfg['dtype']} "
         f"--window-grid {','.join(map(str, cfg['window_grid'])) if cfg['window_grid'] else ''} "
         f"--window-width {cfg['window_width']} --repeats {cfg['repeats']}`",
         "",
         "| case | policy (used x transport calls) | first call ms (incl. agreement) | median ms | min ms | median vs "
-        f"{cfg['policies'][0]} | agreement ms (% of median) | MiB sent | calls | staging peak MiB | RSS peak MiB |",
+        f"{first} | agreement ms (% of median) | MiB sent | calls | staging peak MiB | RSS peak MiB |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
@@ -204,7 +217,16 @@ def main(args, parser=None) -> int:
             parser.error(msg)
         raise SystemExit(msg)
     grid = [int(v) for v in args.window_grid.split(",")] if args.window_grid.strip() else []
-    cfg = {"sp": args.sp, "policies": policies, "capacity": int(args.capacity_mib * 2**20), "tokens": args.tokens,
+    try:
+        capacities = [int(float(v) * 2**20) for v in str(args.capacity_mib).split(",") if v.strip()]
+    except ValueError:
+        capacities = []
+    if not capacities or min(capacities) < 1:
+        msg = f"--capacity-mib needs positive numbers (MiB), got {args.capacity_mib!r}"
+        if parser is not None:
+            parser.error(msg)
+        raise SystemExit(msg)
+    cfg = {"sp": args.sp, "policies": policies, "capacities": capacities, "tokens": args.tokens,
            "heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype, "window_grid": grid,
            "window_width": args.window_width, "repeats": args.repeats, "threads": args.threads}
     table = format_table(run_bench(cfg), cfg)

@@ -56,6 +56,7 @@ LONG_TRAINING = ("auto", "chunked")
 AGREE = ("key", "every")
 DEFAULT_CAPACITY = 1 << 30
 DEFAULT_GRAD_THRESHOLD = 512 << 20
+IN_FLIGHT = 2  # chunks in flight at once: each has its own send and receive stage
 ENV_POLICY = "DITSP_ULYSSES_A2A"
 ENV_LONG = "DITSP_ULYSSES_A2A_LONG_TRAINING"
 ENV_CAPACITY = "DITSP_A2A_CAPACITY_BYTES"
@@ -262,7 +263,7 @@ def staging_bytes(in_splits: Sequence[int], out_splits: Sequence[int], row_bytes
     when pipelined), each at most ``sum ceil(split / k)`` rows (the exact chunks never exceed it)."""
     s = sum(-(-int(v) // k) for v in in_splits)
     r = sum(-(-int(v) // k) for v in out_splits)
-    return min(k, 2) * (s + r) * row_bytes
+    return min(k, IN_FLIGHT) * (s + r) * row_bytes
 
 
 def chunks_needed(in_splits: Sequence[int], out_splits: Sequence[int], row_bytes: int, capacity: int) -> int:
@@ -453,8 +454,8 @@ def _execute(comm: Comm, plan: Plan, src, ins, outs, kind, place: Placement | No
 
     Every rank issues the same ``k`` calls (a rank with nothing to move joins with empty splits). The own
     segment is copied once, straight from the source to its place in the output, while the first chunk
-    is in flight; chunk c+1 is packed, and chunk c-1 unpacked, while chunk c is in flight. Staging: up to
-    two send and two receive stages of crossing rows, none where the rows already lie contiguous (sent
+    is in flight; two chunks are in flight at a time (chunk c is packed and posted, and chunk c-2
+    unpacked, while chunk c-1 is in flight). Staging: up to two send and two receive stages of crossing rows, none where the rows already lie contiguous (sent
     straight from the source, received straight into the output).
     """
     if plan.error:
@@ -485,7 +486,7 @@ def _execute(comm: Comm, plan: Plan, src, ins, outs, kind, place: Placement | No
     smax = max([sum(send_c[c]) for c in range(k) if send_view[c] is None] or [0])
     rmax = max([sum(recv_c[c]) for c in range(k) if recv_view[c] is None] or [0])
     unpacks = sum(v is None and sum(recv_c[c]) > 0 for c, v in enumerate(recv_view))
-    nsend, nrecv = min(packs, 2), max(min(unpacks, 2), 1)
+    nsend, nrecv = min(packs, IN_FLIGHT), max(min(unpacks, IN_FLIGHT), 1)
     sbufs = [torch.empty((smax,) + shape, **new) for _ in range(nsend)]
     rbufs = [torch.empty((rmax,) + shape, **new) for _ in range(nrecv)]
     staged = (nsend * smax + nrecv * rmax) * _row_bytes(src)
@@ -531,19 +532,23 @@ def _execute(comm: Comm, plan: Plan, src, ins, outs, kind, place: Placement | No
         into = recv_view[c] if recv_view[c] is not None else rbufs[c % nrecv][: sum(recv_c[c])]
         return comm.all_to_all_single_async(into, packed, recv_c[c], send_c[c], kind=kind)
 
-    comm.staging(staged)
-    try:
-        work = post(0, pack(0))
-        own()  # while chunk 0 is in flight
-        for c in range(1, k):
-            packed = pack(c)  # while chunk c-1 is in flight
-            if work is not None:
-                work.wait()
-            work = post(c, packed)
-            unpack(c - 1)  # while chunk c is in flight
+    def finish(c, work):
         if work is not None:
             work.wait()
-        unpack(k - 1)
+        unpack(c)
+
+    # Two chunks in flight: chunk c reuses the stages of chunk c-2, posted once that one is unpacked, so
+    # one chunk's round-trip latency overlaps the other's transfer and the packing around them.
+    comm.staging(staged)
+    try:
+        flying = [(0, post(0, pack(0)))]
+        own()  # while chunk 0 is in flight
+        for c in range(1, k):
+            if len(flying) == IN_FLIGHT:
+                finish(*flying.pop(0))  # chunk c-2: its stages are chunk c's
+            flying.append((c, post(c, pack(c))))  # packed while chunk c-1 is in flight
+        for c, work in flying:
+            finish(c, work)
     finally:
         comm.staging(-staged)
     return out
