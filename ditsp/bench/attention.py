@@ -33,9 +33,12 @@ Baselines run in the same rounds (``--baselines``):
   gloo group; the ranks' shards enter as they are, a placeholder buffer keeps
   ``context_parallel`` from re-sharding anything). On CPU the CP ring handler
   is not reached (it is registered for the CUDA flash/efficient/cudnn SDPA
-  ops only): DTensor derives the CPU flash op's sharding from its
-  decomposition, all-gathers K and V and runs one SDPA per rank, whatever
-  ``set_rotate_method`` says. Forward only: the CPU backward op
+  ops only): DTensor picks a sharding for the CPU flash op from its
+  strategies, whatever ``set_rotate_method`` says: at small sizes it
+  all-gathers K and V and runs one SDPA per rank; at seq 4096+ it moves Q, K
+  and V to head shards (gloo has no all-to-all for it: all-gather + chunk,
+  twice the bytes) and returns a head-sharded output, which the wrapper
+  brings back to sequence shards with DTensor's own redistribution. Forward only: the CPU backward op
   (``_scaled_dot_product_flash_attention_for_cpu_backward``) has no DTensor
   sharding strategy (NotImplementedError), so ``--backward`` skips it. Its
   first call per shape and dtype takes seconds (DTensor traces that
@@ -221,6 +224,12 @@ class TorchCPRing:
         with context_parallel(self.mesh, buffers=[ph], buffer_seq_dims=[0], no_restore_buffers={ph}):
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                enable_gqa=k.shape[2] != q.shape[2])
+            if o.shape[1] != q.shape[2]:
+                # DTensor may pick a head-sharded strategy for the CPU op (the whole sequence, H/n heads):
+                # torch's own redistribution brings the output back to sequence shards.
+                from torch.distributed.tensor import DTensor, Shard
+
+                o = DTensor.from_local(o, self.mesh, [Shard(1)]).redistribute(self.mesh, [Shard(2)]).to_local()
         return o.transpose(1, 2)
 
 
