@@ -233,3 +233,33 @@ def test_kernel_that_does_not_take_the_call_falls_back_and_says_so(clusters, str
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     for g, rg in zip(grads, ref_grads):
         torch.testing.assert_close(g, rg, rtol=1e-5, atol=1e-5)
+
+
+def rank_contiguous_heads(ctx):
+    from ditsp.attention.ulysses import head_plan, to_heads
+    from ditsp.dist.comm import Comm
+
+    torch.manual_seed(ctx.rank)
+    comm, plan, lens = Comm(ctx.group), head_plan(4, 2, 2), [6, 5]
+    xs = [torch.randn(1, lens[ctx.rank], h, 8, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2)]
+    res = {}
+    for contiguous in (False, True):
+        hs = to_heads(comm, plan, lens, *xs, contiguous=contiguous)
+        sum(h.float().pow(2).sum() * (i + 1) for i, h in enumerate(hs)).backward()
+        res[contiguous] = ([h.detach() for h in hs], [h.is_contiguous() for h in hs], [x.grad.clone() for x in xs])
+        for x in xs:
+            x.grad = None
+    return res
+
+
+def test_contiguous_head_shards_are_the_same_values_and_gradients(clusters):
+    """Kernels that read contiguous bf16 faster get copies; values and gradients do not change."""
+    from ditsp.attention.kernels import wants_contiguous
+
+    assert wants_contiguous("cpu_flash", torch.bfloat16) and not wants_contiguous("cpu_flash", torch.float32)
+    assert not wants_contiguous("reference", torch.bfloat16)
+    for res in clusters(2).run(rank_contiguous_heads):
+        (views, vc, vg), (copies, cc, cg) = res[False], res[True]
+        assert all(cc) and not all(vc)
+        assert all(torch.equal(a, b) for a, b in zip(views, copies))
+        assert all(torch.equal(a, b) for a, b in zip(vg, cg))

@@ -153,7 +153,7 @@ class WireBlocks:
                 o += e1 - r1 * row
 
 
-def seq_to_head(comm: Comm, xs, head_ranges, seq_lens, kind="ulysses_a2a", stacked=True):
+def seq_to_head(comm: Comm, xs, head_ranges, seq_lens, kind="ulysses_a2a", stacked=True, contiguous=False):
     """``[B, s_me, H_t, D]`` sequence shards -> ``[B, h_t(me), S, D]`` head shards, per tensor t.
 
     Wire layout (:class:`WireBlocks`): every rank sends peer p one block ``[s_me, B, W_p]`` whose
@@ -162,8 +162,12 @@ def seq_to_head(comm: Comm, xs, head_ranges, seq_lens, kind="ulysses_a2a", stack
     head shard is a strided view of it (sequence stride ``B * W_me``), with no copy after the
     exchange. The send side is packed by the transport, chunk by chunk, straight from the tensors.
     """
-    if not stacked:
-        return [seq_to_head(comm, [x], [hr], seq_lens, kind, True)[0] for x, hr in zip(xs, head_ranges)]
+    if not stacked:  # one exchange per tensor; ``contiguous``: its copy, and the receive buffer goes at once
+        res = []
+        for x, hr in zip(xs, head_ranges):
+            h = seq_to_head(comm, [x], [hr], seq_lens, kind, True)[0]
+            res.append(h.contiguous() if contiguous else h)
+        return res
     me, n = comm.rank, comm.world_size
     b = xs[0].shape[0]
     wire = WireBlocks(xs, head_ranges, n)
@@ -244,9 +248,9 @@ class SeqToHead(torch.autograd.Function):
     """Forward :func:`seq_to_head`; backward runs the inverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, comm, head_ranges, seq_lens, stacked, *xs):
+    def forward(ctx, comm, head_ranges, seq_lens, stacked, contiguous, *xs):
         ctx.args = (comm, head_ranges, seq_lens, [x.shape[2] for x in xs], stacked)
-        return tuple(seq_to_head(comm, list(xs), head_ranges, seq_lens, stacked=stacked))
+        return tuple(seq_to_head(comm, list(xs), head_ranges, seq_lens, stacked=stacked, contiguous=contiguous))
 
     @staticmethod
     def backward(ctx, *gs):
@@ -254,30 +258,35 @@ class SeqToHead(torch.autograd.Function):
         # One exchange per gradient even when the forward stacked them: the three gradients are alive
         # anyway (the engine holds them until this returns), so a stacked send buffer and receive buffer
         # would add twice their size at once; per tensor it is twice the largest one.
-        return (None, None, None, None, *head_to_seq(comm, gs, hr, lens, total, "ulysses_a2a_bwd", False))
+        return (None,) * 5 + tuple(head_to_seq(comm, gs, hr, lens, total, "ulysses_a2a_bwd", False))
 
 
 class HeadToSeq(torch.autograd.Function):
     """Forward :func:`head_to_seq`; backward runs the inverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, comm, head_ranges, seq_lens, total_heads, stacked, *xs):
-        ctx.args = (comm, head_ranges, seq_lens, stacked)
+    def forward(ctx, comm, head_ranges, seq_lens, total_heads, stacked, contiguous, *xs):
+        ctx.args = (comm, head_ranges, seq_lens, stacked, contiguous)
         return tuple(head_to_seq(comm, list(xs), head_ranges, seq_lens, total_heads, stacked=stacked))
 
     @staticmethod
     def backward(ctx, *gs):
-        comm, hr, lens, stacked = ctx.args
-        return (None, None, None, None, None, *seq_to_head(comm, gs, hr, lens, "ulysses_a2a_bwd", stacked))
+        comm, hr, lens, stacked, contiguous = ctx.args
+        return (None,) * 6 + tuple(seq_to_head(comm, gs, hr, lens, "ulysses_a2a_bwd", stacked and len(gs) > 1,
+                                               contiguous))
 
 
-def to_heads(comm: Comm, plan: HeadPlan, seq_lens: Sequence[int], q, k, v, stacked: bool = False):
+def to_heads(comm: Comm, plan: HeadPlan, seq_lens: Sequence[int], q, k, v, stacked: bool = False,
+             contiguous: bool = False):
     """Sequence-sharded q, k, v -> this rank's head shard of the whole sequence (one all-to-all each,
-    or one in all with ``stacked``)."""
+    or one in all with ``stacked``). ``contiguous``: return contiguous copies instead of views of the
+    receive buffers (for kernels that read them faster; per-tensor exchanges only)."""
     hr = [plan.q, plan.kv, plan.kv]
-    return SeqToHead.apply(comm, hr, list(seq_lens), stacked, q, k, v)
+    return SeqToHead.apply(comm, hr, list(seq_lens), stacked, contiguous, q, k, v)
 
 
-def to_seq(comm: Comm, plan: HeadPlan, seq_lens: Sequence[int], out, stacked: bool = False):
-    """Head-sharded output -> sequence shard with all heads."""
-    return HeadToSeq.apply(comm, [plan.q], list(seq_lens), [plan.heads], stacked, out)[0]
+def to_seq(comm: Comm, plan: HeadPlan, seq_lens: Sequence[int], out, stacked: bool = False,
+           contiguous: bool = False):
+    """Head-sharded output -> sequence shard with all heads. ``contiguous``: the backward hands the
+    output's gradient on as a contiguous copy (see :func:`to_heads`)."""
+    return HeadToSeq.apply(comm, [plan.q], list(seq_lens), [plan.heads], stacked, contiguous, out)[0]

@@ -41,7 +41,7 @@ from ..dist.agree import DisagreementError
 from ..dist.comm import Comm, CommStats
 from .allgather import allgather_attention, joined
 from .common import default_scale, even_splits, gather_lens, gather_rows, ranges
-from .kernels import NAMES, Choice, choose, local_attention, requested_default
+from .kernels import NAMES, Choice, choose, local_attention, requested_default, wants_contiguous
 from .ring import ring_attention
 from .ulysses import head_plan, to_heads, to_seq
 
@@ -192,7 +192,8 @@ class SPAttention:
         # Ulysses: sequence shard -> head shard of this Ulysses group's chunk.
         plan = head_plan(heads, kv_heads, U)
         if U > 1:
-            hq, hk, hv = to_heads(self.u, plan, u_lens, vq, vk, vv, self.stacked)
+            contiguous = wants_contiguous(backend, vq.dtype)  # this kernel reads contiguous shards faster
+            hq, hk, hv = to_heads(self.u, plan, u_lens, vq, vk, vv, self.stacked, contiguous)
         else:
             hq, hk, hv = (x.transpose(1, 2) for x in (vq, vk, vv))
         (qlo, qhi), (klo, khi) = plan.q[me], plan.kv[me]
@@ -218,7 +219,7 @@ class SPAttention:
         if T:
             ot = gather_rows(ot, self.r, t_rows, dim=2, kind="text_rows")
         if U > 1:
-            ov = to_seq(self.u, plan, u_lens, ov, self.stacked)
+            ov = to_seq(self.u, plan, u_lens, ov, self.stacked, contiguous)
             if T:
                 ot = gather_rows(ot, self.u, [b - a for a, b in plan.q], dim=1, kind="text_heads")
         else:
