@@ -219,7 +219,7 @@ class SPAttention:
         if T:
             ot = gather_rows(ot, self.r, t_rows, dim=2, kind="text_rows")
         if U > 1:
-            ov = to_seq(self.u, plan, u_lens, ov, self.stacked, contiguous)
+            ov = to_seq(self.u, plan, u_lens, ov, self.stacked)
             if T:
                 ot = gather_rows(ot, self.u, [b - a for a, b in plan.q], dim=1, kind="text_heads")
         else:
