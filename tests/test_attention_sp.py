@@ -36,7 +36,7 @@ def build(ctx, strategy, U, R, backend=None):
     return SPAttention.from_config(cfg, build_sp_groups(cfg, ctx.group), backend=backend)
 
 
-def rank_run(ctx, strategy, U, R, shape, joint, dtype, lens=None, backend=None):
+def rank_run(ctx, strategy, U, R, shape, joint, dtype, lens=None, backend=None, causal=False):
     """This rank's output and input gradients for its joined [text; video shard] tokens."""
     B, L, H, Hk, D, T = shape
     attn = build(ctx, strategy, U, R, backend)
@@ -46,7 +46,7 @@ def rank_run(ctx, strategy, U, R, shape, joint, dtype, lens=None, backend=None):
     lo, hi = o[ctx.rank], o[ctx.rank + 1]
     join = (lambda t, x: torch.cat([t, x], 1)) if joint == "front" else (lambda t, x: torch.cat([x, t], 1))
     q, k, v = (join(t, x[:, lo:hi]).requires_grad_() for t, x in ((tq, vq), (tk, vk), (tv, vv)))
-    out = attn(q, k, v, text_len=T, joint=joint, seq_lens=given)  # None: gathered
+    out = attn(q, k, v, text_len=T, joint=joint, seq_lens=given, causal=causal)  # seq_lens None: gathered
     # Sum convention: the replicated text output's cotangent is split over the ranks.
     g = join((gt.float() / ctx.world_size).to(gt.dtype), gv[:, lo:hi])
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)
@@ -54,7 +54,7 @@ def rank_run(ctx, strategy, U, R, shape, joint, dtype, lens=None, backend=None):
             "backend": attn.backend, "reason": attn.backend_reason}
 
 
-def reference(shape, joint, dtype, precise=False):
+def reference(shape, joint, dtype, precise=False, causal=False):
     B, L, H, Hk, D, T = shape
     (vq, vk, vv), (tq, tk, tv), gv, gt = make_inputs(B, L, H, Hk, D, T, dtype)
     cat = (lambda t, x: torch.cat([t, x], 1)) if joint == "front" else (lambda t, x: torch.cat([x, t], 1))
@@ -63,7 +63,8 @@ def reference(shape, joint, dtype, precise=False):
     if precise:
         xs, g = [x.double() for x in xs], g.double()
     xs = [x.requires_grad_() for x in xs]
-    out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in xs), enable_gqa=True).transpose(1, 2)
+    out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in xs), enable_gqa=True,
+                                         is_causal=causal).transpose(1, 2)
     return out.detach(), torch.autograd.grad(out, xs, g)
 
 
@@ -90,21 +91,21 @@ def rel_err(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
 
 
-def check(clusters, strategy, U, R, shape, joint="front", dtype="fp32", lens=None, backend=None):
+def check(clusters, strategy, U, R, shape, joint="front", dtype="fp32", lens=None, backend=None, causal=False):
     P = U * R
-    results = clusters(P).run(rank_run, strategy, U, R, shape, joint, dtype, lens, backend)
+    results = clusters(P).run(rank_run, strategy, U, R, shape, joint, dtype, lens, backend, causal)
     # The fused CPU kernel unless the reference path was asked for; the same on every rank.
     assert {r["backend"] for r in results} == {"reference" if backend == "reference" else "cpu_flash"}
     lens = lens or even_splits(shape[1], P)
     out, grads = assemble(results, shape, joint, lens)
-    ref_out, ref_grads = reference(shape, joint, dtype)
+    ref_out, ref_grads = reference(shape, joint, dtype, causal=causal)
     if dtype == "fp32":
         torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
         for g, rg in zip(grads, ref_grads):
             torch.testing.assert_close(g, rg.float(), rtol=1e-5, atol=1e-5)
     else:
         # bf16: no worse than single-device bf16 SDPA, both measured against fp64 on the same inputs.
-        p_out, p_grads = reference(shape, joint, dtype, precise=True)
+        p_out, p_grads = reference(shape, joint, dtype, precise=True, causal=causal)
         assert rel_err(out, p_out) <= max(2 * rel_err(ref_out, p_out), 8e-3)
         for g, rg, pg in zip(grads, ref_grads, p_grads):
             assert rel_err(g, pg) <= max(2 * rel_err(rg, pg), 8e-3)
@@ -263,3 +264,37 @@ def test_contiguous_head_shards_are_the_same_values_and_gradients(clusters):
         assert all(cc) and not all(vc)
         assert all(torch.equal(a, b) for a, b in zip(views, copies))
         assert all(torch.equal(a, b) for a, b in zip(vg, cg))
+
+
+CAUSAL = [("ulysses", 2, 1, SMALL, None), ("ulysses", 4, 1, GQA, None), ("ring", 1, 3, SMALL, [5, 0, 19]),
+          ("ring", 1, 4, GQA, None), ("usp-ring", 2, 2, GQA, [3, 9, 0, 12]), ("allgather", 1, 3, GQA, [10, 4, 10]),
+          ("usp-allgather", 2, 2, SMALL, None)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy,U,R,shape,lens", CAUSAL, ids=[f"{s}-{u}x{r}" for s, u, r, *_ in CAUSAL])
+@pytest.mark.parametrize("backend", [None, "reference"], ids=["fused", "reference"])
+def test_causal_matches_sdpa(clusters, strategy, U, R, shape, lens, backend):
+    """Causal over the whole sequence (shards in rank order), uneven and empty shards, GQA, forward and
+    gradients, on the fused kernel and on the pure-torch path."""
+    check(clusters, strategy, U, R, shape, lens=lens, backend=backend, causal=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy,U,R", [("ulysses", 2, 1), ("ring", 1, 2), ("usp-ring", 2, 2)])
+def test_causal_bf16_matches_sdpa(clusters, strategy, U, R):
+    check(clusters, strategy, U, R, (1, 32, 4, 2, 16, 0), dtype="bf16", causal=True)
+
+
+def rank_causal_with_text(ctx):
+    attn = Ulysses(ctx.group)
+    x = torch.randn(1, 3 + 4, 2, 8)
+    try:
+        attn(x, x, x, text_len=3, causal=True)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_causal_with_joint_text_is_refused_on_every_rank(clusters):
+    assert all("causal attention takes no joint text" in m for m in clusters(2).run(rank_causal_with_text))

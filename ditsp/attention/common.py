@@ -75,10 +75,17 @@ def _chunks(rows: int, cols: int, heads: int):
     return [(i, min(rows, i + step)) for i in range(0, rows, step)]
 
 
-def attn_fwd(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _causal_mask(i: int, j: int, sk: int, groups: int, device) -> torch.Tensor:
+    """True where grouped query rows ``[i, j)`` (``groups`` heads' rows stacked) must not see a key."""
+    pos = torch.arange(i, j, device=device).repeat(groups)
+    return pos[:, None] < torch.arange(sk, device=device)[None, :]
+
+
+def attn_fwd(q, k, v, scale: float, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention of ``q`` [B,H,Sq,D] on one K/V block [B,Hkv,Sk,D] (H % Hkv == 0, contiguous groups).
 
     Returns ``(out, lse)`` in fp32: out [B,H,Sq,Dv], lse [B,H,Sq] = logsumexp of the scaled scores.
+    ``causal``: query row i sees keys 0..i.
     """
     b, h, sq, _ = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -95,6 +102,8 @@ def attn_fwd(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     for i, j in _chunks(sq, sk, h):
         qc = _grouped(q[:, :, i:j].float(), hk)
         s = torch.matmul(qc, kf.transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(_causal_mask(i, j, sk, h // hk, s.device), float("-inf"))
         l = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - l.unsqueeze(-1))
         out[:, :, i:j] = _ungrouped(torch.matmul(p, vf), h)
@@ -102,7 +111,7 @@ def attn_fwd(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def attn_bwd(q, k, v, lse, delta, dout, scale: float):
+def attn_bwd(q, k, v, lse, delta, dout, scale: float, causal: bool = False):
     """Reference gradients of one K/V block given the *final* ``lse`` and ``delta = rowsum(dout * out)``.
 
     Returns fp32 ``(dq, dk, dv)``; dk/dv sum over the query heads of each group.
@@ -119,6 +128,8 @@ def attn_bwd(q, k, v, lse, delta, dout, scale: float):
         qc = _grouped(q[:, :, i:j].float(), hk)
         do = _grouped(dout[:, :, i:j].float(), hk)
         s = torch.matmul(qc, kf.transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(_causal_mask(i, j, sk, h // hk, s.device), float("-inf"))
         p = torch.exp(s - _grouped(lse[:, :, i:j, None], hk))
         dv += torch.matmul(p.transpose(-1, -2), do)
         dp = torch.matmul(do, vf.transpose(-1, -2))

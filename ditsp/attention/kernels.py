@@ -2,14 +2,17 @@
 
 A *block call* is attention of ``q`` [B, H, Sq, D] on one K/V block ``k``/``v``
 [B, Hkv, Sk, D] (``H % Hkv == 0``, query head ``h`` uses K/V head
-``h // (H / Hkv)``), non-causal, returning ``(out, lse)`` with ``lse``
-[B, H, Sq] the real log-sum-exp of the scaled scores. Its backward takes the
+``h // (H / Hkv)``), non-causal or causal (``causal``: query row i sees keys
+0..i, the diagonal block of a causal sequence), returning ``(out, lse)`` with
+``lse`` [B, H, Sq] the real log-sum-exp of the scaled scores. Its backward takes the
 *final* output and LSE of the whole row (all blocks merged), which is what
 lets a ring compute every K/V block's gradients independently.
 
 GQA needs no K/V copy on any backend: the ``g = H / Hkv`` query heads of one
 K/V head are viewed as ``g * Sq`` query rows of that head (``[B, Hkv, g*Sq, D]``),
 which is exact for non-causal attention; dK/dV come out summed over the group.
+A causal block with GQA cannot use that view (rows would lose their
+positions): its K/V heads are expanded (a copy) instead.
 
 Backends (:data:`TABLE`, tried in order; the first that takes the call's
 device, dtype and head dim wins):
@@ -74,40 +77,40 @@ def ungrouped(x: torch.Tensor, heads: int) -> torch.Tensor:
 # -- the kernels ---------------------------------------------------------------------------------
 
 
-def _cpu_flash_fwd(q, k, v, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+def _cpu_flash_fwd(q, k, v, scale, causal=False):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
-def _cpu_flash_bwd(q, k, v, out, lse, dout, scale):
+def _cpu_flash_bwd(q, k, v, out, lse, dout, scale, causal=False):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, False, scale=scale)
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
-def _cuda_flash_fwd(q, k, v, scale):  # not run here (no GPU in development)
-    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+def _cuda_flash_fwd(q, k, v, scale, causal=False):  # not run here (no GPU in development)
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     return r[0], r[1]
 
 
-def _cuda_flash_bwd(q, k, v, out, lse, dout, scale):  # not run here
+def _cuda_flash_bwd(q, k, v, out, lse, dout, scale, causal=False):  # not run here
     sq, sk = q.shape[2], k.shape[2]
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, None, None, sq, sk, 0.0, False, zero, zero, scale=scale)
+        dout, q, k, v, out, lse, None, None, sq, sk, 0.0, causal, zero, zero, scale=scale)
 
 
-def _cuda_efficient_fwd(q, k, v, scale):  # not run here
-    r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=scale)
+def _cuda_efficient_fwd(q, k, v, scale, causal=False):  # not run here
+    r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
     return r[0], r[1][..., : q.shape[2]]  # the kernel pads LSE rows to a multiple of 32
 
 
-def _cuda_efficient_bwd(q, k, v, out, lse, dout, scale):  # not run here
+def _cuda_efficient_bwd(q, k, v, out, lse, dout, scale, causal=False):  # not run here
     sq = q.shape[2]
     pad = (-sq) % 32
     if pad:  # the backward reads LSE in the padded layout the forward wrote
         lse = torch.nn.functional.pad(lse, (0, pad))
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
     g = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, lse.contiguous(), zero, zero, 0.0, [True, True, True, False], False, scale=scale)
+        dout, q, k, v, None, out, lse.contiguous(), zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
     return g[0], g[1], g[2]
 
 
@@ -204,8 +207,22 @@ def choose(device: str, dtype: torch.dtype, head_dim: int, requested: str | None
 # -- block calls ---------------------------------------------------------------------------------
 
 
-def block_fwd(backend: str, q, k, v, scale: float):
-    """``(out, lse)`` of one block. ``out`` is in q's dtype on a kernel, fp32 on ``reference``; lse >= fp32."""
+def _expand(x, heads: int):
+    """K/V heads repeated to ``heads`` (a copy; causal GQA only)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _fold(g, kv_heads: int):
+    """Gradients of expanded K/V heads summed back onto their ``kv_heads``."""
+    b, h = g.shape[:2]
+    return g if h == kv_heads else g.reshape(b, kv_heads, h // kv_heads, *g.shape[2:]).sum(2)
+
+
+def block_fwd(backend: str, q, k, v, scale: float, causal: bool = False):
+    """``(out, lse)`` of one block. ``out`` is in q's dtype on a kernel, fp32 on ``reference``; lse >= fp32.
+
+    ``causal``: query row i sees keys 0..i (the block is a sequence's own diagonal block).
+    """
     from .common import attn_fwd
 
     b, h, sq, _ = q.shape
@@ -216,12 +233,14 @@ def block_fwd(backend: str, q, k, v, scale: float):
         return (q.new_zeros((b, h, sq, v.shape[-1]), dtype=torch.float32),
                 q.new_full((b, h, sq), float("-inf") if sk == 0 else 0.0, dtype=torch.float32))
     if backend == "reference":
-        return attn_fwd(q, k, v, scale)
+        return attn_fwd(q, k, v, scale, causal)
+    if causal:
+        return KERNELS[backend].fwd(q, _expand(k, h), _expand(v, h), scale, True)
     out, lse = KERNELS[backend].fwd(grouped(q, hk), k, v, scale)
     return ungrouped(out, h), ungrouped(lse, h)
 
 
-def block_bwd(backend: str, q, k, v, out, lse, dout, scale: float, delta=None):
+def block_bwd(backend: str, q, k, v, out, lse, dout, scale: float, delta=None, causal: bool = False):
     """Gradients ``(dq, dk, dv)`` of one K/V block given the row's final ``out`` and ``lse``.
 
     dK/dV sum over the query heads of each group. ``delta`` (rowsum(dout * out), fp32) is used by
@@ -237,10 +256,13 @@ def block_bwd(backend: str, q, k, v, out, lse, dout, scale: float, delta=None):
     if backend == "reference":
         if delta is None:
             delta = (dout.float() * out.float()).sum(-1)
-        return attn_bwd(q, k, v, lse, delta, dout, scale)
+        return attn_bwd(q, k, v, lse, delta, dout, scale, causal)
     dt = q.dtype
     out, dout = out.to(dt), dout.to(dt)
     lse = lse.to(torch.float64 if dt == torch.float64 else torch.float32)
+    if causal:
+        dq, dk, dv = KERNELS[backend].bwd(q, _expand(k, h), _expand(v, h), out, lse, dout, scale, True)
+        return dq, _fold(dk, hk), _fold(dv, hk)
     # grouped() reshapes: a view where the layout allows (always without GQA), a copy otherwise.
     dq, dk, dv = KERNELS[backend].bwd(grouped(q, hk), k, v, grouped(out, hk), grouped(lse, hk),
                                       grouped(dout, hk), scale)
@@ -251,21 +273,23 @@ class LocalAttention(torch.autograd.Function):
     """One block call with autograd: attention of ``q`` on all of ``k``/``v``; out in q's dtype."""
 
     @staticmethod
-    def forward(ctx, backend, scale, q, k, v):
-        out, lse = block_fwd(backend, q, k, v, scale)
+    def forward(ctx, backend, scale, causal, q, k, v):
+        out, lse = block_fwd(backend, q, k, v, scale, causal)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (backend, scale)
+        ctx.args = (backend, scale, causal)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        backend, scale = ctx.args
-        dq, dk, dv = block_bwd(backend, q, k, v, out, lse, dout, scale)
-        return None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        backend, scale, causal = ctx.args
+        dq, dk, dv = block_bwd(backend, q, k, v, out, lse, dout, scale, causal=causal)
+        return None, None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def local_attention(backend: str, q, k, v, scale: float):
-    """Attention of ``q`` [B,H,Sq,D] on ``k``/``v`` [B,Hkv,Sk,D] (compute layout), one fused call."""
-    return LocalAttention.apply(backend, scale, q, k, v)
+def local_attention(backend: str, q, k, v, scale: float, causal: bool = False):
+    """Attention of ``q`` [B,H,Sq,D] on ``k``/``v`` [B,Hkv,Sk,D] (compute layout), one fused call.
+
+    ``causal``: row i sees keys 0..i (queries and keys are the same positions)."""
+    return LocalAttention.apply(backend, scale, causal, q, k, v)

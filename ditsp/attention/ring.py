@@ -16,6 +16,10 @@ accumulator travels in fp32 so bf16 gradients sum without extra rounding.
 ``extra`` K/V (the replicated joint text) is attended once, locally: it is
 not circulated, so it costs no traffic and is counted once.
 
+Causal (sequence order = rank order): a rank attends the blocks of earlier
+ranks in full, its own block with the causal diagonal, and skips later ranks'
+blocks (they still pass through, so every rank posts the same transfers).
+
 Every block is one call of the agreed backend (:mod:`ditsp.attention.kernels`):
 a fused kernel returning its LSE, or the pure-torch reference. Block outputs
 merge by LSE in fp32, in place on the running output (the first block's
@@ -87,7 +91,15 @@ def merge_(out, lse, blk_out, blk_lse):
     return out, new
 
 
-def ring_fwd(comm: Comm, q, kv, kv_lens: Sequence[int], scale: float, extra=None, backend: str = "reference"):
+def _block_mask(causal: bool, me: int, src: int) -> tuple[bool, bool]:
+    """(attend, causal diagonal) for the block of rank ``src`` seen from rank ``me``."""
+    if not causal:
+        return True, False
+    return src <= me, src == me
+
+
+def ring_fwd(comm: Comm, q, kv, kv_lens: Sequence[int], scale: float, extra=None, backend: str = "reference",
+             causal: bool = False):
     """``q`` [B,H,Sq,D]; ``kv`` (K, V) in wire layout [B,s_me,Hkv,D]. Returns fp32 (out, lse)."""
     n = comm.world_size
     out = lse = None
@@ -96,8 +108,9 @@ def ring_fwd(comm: Comm, q, kv, kv_lens: Sequence[int], scale: float, extra=None
         out, lse = out.float(), lse.float()
     for step in range(n):
         nxt, reqs = _post_next_kv(comm, kv, kv_lens, step, "ring_kv")
-        if kv[0].shape[1]:
-            out, lse = merge_(out, lse, *block_fwd(backend, q, _compute(kv[0]), _compute(kv[1]), scale))
+        attend, diag = _block_mask(causal, comm.rank, (comm.rank - step) % n)
+        if kv[0].shape[1] and attend:
+            out, lse = merge_(out, lse, *block_fwd(backend, q, _compute(kv[0]), _compute(kv[1]), scale, diag))
         if nxt is not None:
             _wait(reqs)
             kv = nxt
@@ -114,7 +127,8 @@ def _acc(acc, g):
     return acc.add_(g)
 
 
-def ring_bwd(comm: Comm, q, kv, kv_lens, scale, out, lse, dout, extra=None, backend: str = "reference"):
+def ring_bwd(comm: Comm, q, kv, kv_lens, scale, out, lse, dout, extra=None, backend: str = "reference",
+             causal: bool = False):
     """Returns fp32 ``dq``, ``dkv`` (this rank's dK and dV in wire layout, summed over all ranks' queries), ``dextra``.
 
     The dK/dV accumulator that arrives from the previous rank is the one the local block's
@@ -135,7 +149,9 @@ def ring_bwd(comm: Comm, q, kv, kv_lens, scale, out, lse, dout, extra=None, back
     for step in range(n):
         nxt, kv_reqs = _post_next_kv(comm, kv, kv_lens, step, "ring_kv_bwd")
         k, v = kv
-        g = block_bwd(backend, q, _compute(k), _compute(v), out, lse, dout, scale, delta) if k.shape[1] else None
+        attend, diag = _block_mask(causal, me, (me - step) % n)
+        g = (block_bwd(backend, q, _compute(k), _compute(v), out, lse, dout, scale, delta, diag)
+             if k.shape[1] and attend else None)
         if g is not None:
             dq = _acc(dq, g[0])
         if dkv is not None:
@@ -166,32 +182,33 @@ def ring_bwd(comm: Comm, q, kv, kv_lens, scale, out, lse, dout, extra=None, back
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, comm, kv_lens, scale, backend, q, k, v, tk, tv):
+    def forward(ctx, comm, kv_lens, scale, backend, causal, q, k, v, tk, tv):
         kv = (_wire(k), _wire(v))  # the caller's own tensors when they already lie sequence-major
         extra = torch.stack([tk, tv]) if tk is not None else None
-        out, lse = ring_fwd(comm, q, kv, kv_lens, scale, extra, backend)
+        out, lse = ring_fwd(comm, q, kv, kv_lens, scale, extra, backend, causal)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, kv[0], kv[1], extra, out, lse)
-        ctx.args = (comm, kv_lens, scale, k.dtype, tk is not None, backend)
+        ctx.args = (comm, kv_lens, scale, k.dtype, tk is not None, backend, causal)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, wk, wv, extra, out, lse = ctx.saved_tensors
-        comm, kv_lens, scale, kdt, has_extra, backend = ctx.args
+        comm, kv_lens, scale, kdt, has_extra, backend, causal = ctx.args
         dq, dkv, dex = ring_bwd(comm, q, (wk, wv), kv_lens, scale, out, lse, dout, extra if has_extra else None,
-                                backend)
+                                backend, causal)
         dtk = dtv = None
         if has_extra:
             dtk, dtv = dex[0].to(kdt), dex[1].to(kdt)
-        return (None, None, None, None, dq.to(q.dtype), _compute(dkv[0]).to(kdt), _compute(dkv[1]).to(kdt),
+        return (None, None, None, None, None, dq.to(q.dtype), _compute(dkv[0]).to(kdt), _compute(dkv[1]).to(kdt),
                 dtk, dtv)
 
 
 def ring_attention(comm: Comm, q, k, v, kv_lens: Sequence[int], scale: float, tk=None, tv=None,
-                   backend: str = "reference"):
+                   backend: str = "reference", causal: bool = False):
     """Attention of local queries on every rank's K/V block (plus local ``tk``/``tv``), compute layout.
 
-    With a one-rank ``comm`` this is plain local attention with an fp32 LSE merge.
+    With a one-rank ``comm`` this is plain local attention with an fp32 LSE merge. ``causal``: the
+    queries are this rank's own block of the sequence (no text).
     """
-    return RingAttention.apply(comm, list(kv_lens), scale, backend, q, k, v, tk, tv)
+    return RingAttention.apply(comm, list(kv_lens), scale, backend, causal, q, k, v, tk, tv)

@@ -53,8 +53,10 @@ def _comm(group, stats: CommStats) -> Comm:
 _AGREED_MAX = 256  # cached signatures per SPAttention (cleared, on every rank alike, when full)
 
 
-def _local_problem(q, k, v, text_len: int, joint: str, seq_lens, sp: Comm) -> str | None:
+def _local_problem(q, k, v, text_len: int, joint: str, seq_lens, sp: Comm, causal: bool = False) -> str | None:
     """What is wrong with this rank's own inputs (None when nothing), without raising."""
+    if causal and text_len:
+        return f"causal attention takes no joint text (text_len {text_len}); pass text_len=0"
     if joint not in ("front", "rear"):
         return f"joint must be 'front' or 'rear', got {joint!r}"
     if any(x.dim() != 4 for x in (q, k, v)):
@@ -77,7 +79,8 @@ def _local_problem(q, k, v, text_len: int, joint: str, seq_lens, sp: Comm) -> st
     return None
 
 
-def _signature(attn: "SPAttention", q, k, v, text_len, joint, seq_lens, scale, backend: str) -> dict:
+def _signature(attn: "SPAttention", q, k, v, text_len, joint, seq_lens, scale, backend: str,
+               causal: bool = False) -> dict:
     """What every SP rank must pass alike (local lengths left out: shards may be uneven)."""
     four = all(x.dim() == 4 for x in (q, k, v))
     return {
@@ -86,7 +89,7 @@ def _signature(attn: "SPAttention", q, k, v, text_len, joint, seq_lens, scale, b
         "kv_heads": int(k.shape[2]) if four else None,
         "head_dim": int(q.shape[-1]) if four else None,
         "dtype": str(q.dtype),
-        "text_len": int(text_len), "joint": joint,
+        "text_len": int(text_len), "joint": joint, "causal": bool(causal),
         "seq_lens": None if seq_lens is None else [int(n) for n in seq_lens],
         "scale": None if scale is None else float(scale),
         "mesh": [attn.u.world_size, attn.r.world_size], "outer": attn.outer, "stacked": attn.stacked,
@@ -124,7 +127,7 @@ class SPAttention:
         self._agreed: set[str] = set()
 
     def agree(self, q, k, v, text_len: int = 0, joint: str = "front",
-              seq_lens: Sequence[int] | None = None, scale: float | None = None) -> Choice:
+              seq_lens: Sequence[int] | None = None, scale: float | None = None, causal: bool = False) -> Choice:
         """Make the SP ranks agree on this call's signature (once per signature; see the module doc).
 
         The signature includes the attention backend this rank would choose, so every rank runs the
@@ -133,8 +136,8 @@ class SPAttention:
         """
         choice = choose(q.device.type, q.dtype, int(q.shape[-1]) if q.dim() else 0, self.requested)
         self.backend, self.backend_reason = choice.name, choice.reason
-        sig = _signature(self, q, k, v, text_len, joint, seq_lens, scale, choice.name)
-        problem = _local_problem(q, k, v, int(text_len), joint, seq_lens, self.sp)
+        sig = _signature(self, q, k, v, text_len, joint, seq_lens, scale, choice.name, causal)
+        problem = _local_problem(q, k, v, int(text_len), joint, seq_lens, self.sp, causal)
         key = json.dumps(sig, sort_keys=True, default=str)
         if key in self._agreed:
             if problem:
@@ -169,12 +172,14 @@ class SPAttention:
         return attn
 
     def __call__(self, q, k, v, text_len: int = 0, joint: str = "front",
-                 seq_lens: Sequence[int] | None = None, scale: float | None = None) -> torch.Tensor:
+                 seq_lens: Sequence[int] | None = None, scale: float | None = None,
+                 causal: bool = False) -> torch.Tensor:
         """``q`` [B, T+s, H, D], ``k``/``v`` [B, T+s, Hkv, D]: replicated text (T rows) joined to the local video shard.
 
         ``seq_lens``: every SP rank's video length; gathered (one tiny all-gather) when omitted.
+        ``causal``: token i attends tokens 0..i of the whole sequence (shards in rank order; no text).
         """
-        backend = self.agree(q, k, v, text_len, joint, seq_lens, scale).name
+        backend = self.agree(q, k, v, text_len, joint, seq_lens, scale, causal).name
         T, U, R = int(text_len), self.u.world_size, self.r.world_size
         heads, kv_heads = q.shape[2], k.shape[2]
         if self.strict:  # the config's own check and message
@@ -208,10 +213,10 @@ class SPAttention:
         tlo, thi = ranges(t_rows)[j]
         qcat = torch.cat([tq[:, :, tlo:thi], hq], 2) if thi > tlo else hq  # no copy without text rows
         if R == 1:  # plain Ulysses: one fused call over [text; video] keys, no LSE needed
-            o = local_attention(backend, qcat, joined(tk, hk), joined(tv, hv), scale)
+            o = local_attention(backend, qcat, joined(tk, hk), joined(tv, hv), scale, causal)
         else:
             attend = ring_attention if self.outer == "ring" else allgather_attention
-            o = attend(self.r, qcat, hk, hv, r_lens, scale, tk if T else None, tv if T else None, backend)
+            o = attend(self.r, qcat, hk, hv, r_lens, scale, tk if T else None, tv if T else None, backend, causal)
         del qcat, hq, hk, hv  # without autograd the head shards go before the way back
         ot, ov = o[:, :, : thi - tlo], o[:, :, thi - tlo :]
 
