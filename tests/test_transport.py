@@ -50,7 +50,7 @@ def rank_rows(ctx, seed, empty, dtype, capacity, recv_perm):
     (2, 6, False, torch.float32, 100, False),
     (3, 1, True, torch.bfloat16, 40, True),
     (3, 2, False, torch.float32, 200, True),
-    (3, 3, True, torch.bfloat16, 64, False),
+    (3, 3, True, torch.bfloat16, 40, False),
 ])
 def test_chunked_rows_bitwise_equal_off_with_grads(clusters, n, seed, empty, dtype, capacity, perm):
     for r in clusters(n).run(rank_rows, seed, empty, dtype, capacity, perm):
@@ -244,6 +244,10 @@ def test_chunk_plan_fits_capacity():
         exact = tp.chunk_rows(ins, k)
         assert [sum(c[p] for c in exact) for p in range(len(ins))] == ins
     assert tp.chunks_needed([5, 5], [5, 5], 4, 8) == -1 and tp.chunks_needed([1, 1], [1, 1], 4, 12) == -1
+    # rows received in place need no receive stage: fewer chunks for the same capacity
+    k_staged, k_direct = tp.chunks_needed([0, 40], [0, 40], 4, 100), tp.chunks_needed([0, 40], [0, 40], 4, 100, False)
+    assert k_direct < k_staged and tp.staging_bytes([0, 40], [0, 40], 4, k_direct, False) <= 100
+    assert tp.receives_in_place(None, [3, 0, 4], 0) and not tp.receives_in_place(None, [3, 2, 4], 0)
 
 
 def rank_one_chunk(ctx):

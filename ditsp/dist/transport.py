@@ -258,25 +258,28 @@ def chunk_rows(splits: Sequence[int], k: int) -> list[list[int]]:
     return [[c[i + 1] - c[i] for c in cuts] for i in range(k)]
 
 
-def staging_bytes(in_splits: Sequence[int], out_splits: Sequence[int], row_bytes: int, k: int) -> int:
+def staging_bytes(in_splits: Sequence[int], out_splits: Sequence[int], row_bytes: int, k: int,
+                  recv_staged: bool = True) -> int:
     """Bound on the staging one rank allocates for ``k`` chunks: a send and a receive stage (two of each
-    when pipelined), each at most ``sum ceil(split / k)`` rows (the exact chunks never exceed it)."""
+    when pipelined), each at most ``sum ceil(split / k)`` rows (the exact chunks never exceed it); no
+    receive stage when received rows go straight into the output (``recv_staged=False``)."""
     s = sum(-(-int(v) // k) for v in in_splits)
-    r = sum(-(-int(v) // k) for v in out_splits)
+    r = sum(-(-int(v) // k) for v in out_splits) if recv_staged else 0
     return min(k, IN_FLIGHT) * (s + r) * row_bytes
 
 
-def chunks_needed(in_splits: Sequence[int], out_splits: Sequence[int], row_bytes: int, capacity: int) -> int:
+def chunks_needed(in_splits: Sequence[int], out_splits: Sequence[int], row_bytes: int, capacity: int,
+                  recv_staged: bool = True) -> int:
     """The fewest chunks whose staging fits ``capacity``; -1 when even one row per peer does not."""
-    if staging_bytes(in_splits, out_splits, row_bytes, 1) <= capacity:
+    if staging_bytes(in_splits, out_splits, row_bytes, 1, recv_staged) <= capacity:
         return 1
     hi = max([1, *in_splits, *out_splits])
-    if staging_bytes(in_splits, out_splits, row_bytes, hi) > capacity:
+    if staging_bytes(in_splits, out_splits, row_bytes, hi, recv_staged) > capacity:
         return -1
     lo = 1  # staging(k) for k >= 2 is non-increasing in k: the first k that fits
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if staging_bytes(in_splits, out_splits, row_bytes, mid) <= capacity:
+        if staging_bytes(in_splits, out_splits, row_bytes, mid, recv_staged) <= capacity:
             hi = mid
         else:
             lo = mid
@@ -284,16 +287,21 @@ def chunks_needed(in_splits: Sequence[int], out_splits: Sequence[int], row_bytes
 
 
 _FIXED = ("version", "policy", "long", "capacity", "threshold", "capable", "dtype", "row_elems", "elem_size",
-          "grad", "planes")
+          "grad", "planes", "recv_direct")
 
 
-def _vector(s: TransportSettings, capable: bool, src, ins, outs, grad: bool) -> list[int]:
+def receives_in_place(place, outs: Sequence[int], rank: int) -> bool:
+    """Whether every chunk's received rows land straight in the output: peer order, one sending peer."""
+    return place is None and sum(1 for r, v in enumerate(outs) if v and r != rank) <= 1
+
+
+def _vector(s: TransportSettings, capable: bool, src, ins, outs, grad: bool, recv_direct: bool = False) -> list[int]:
     row_elems = 1
     for d in src.row_shape:
         row_elems *= int(d)
     return [_VERSION, POLICIES.index(s.policy), LONG_TRAINING.index(s.long_training), s.capacity_bytes,
             s.grad_threshold_bytes, int(capable), zlib.crc32(str(src.dtype).encode()), row_elems,
-            torch.empty((), dtype=src.dtype).element_size(), int(grad), src.planes, *ins, *outs]
+            torch.empty((), dtype=src.dtype).element_size(), int(grad), src.planes, int(recv_direct), *ins, *outs]
 
 
 def decide(vectors: list[list[int]], transpose: bool = False) -> Plan:
@@ -333,14 +341,18 @@ def decide(vectors: list[list[int]], transpose: bool = False) -> Plan:
     plane = max(sum(i) * row_bytes // max(1, r["planes"]) for i, r in zip(ins, rows))
     # A rank's own segment never enters the collective (it is copied in place): staging holds crossing rows.
     ins, outs = [_crossing(i, r) for r, i in enumerate(ins)], [_crossing(o, r) for r, o in enumerate(outs)]
-    needs = [chunks_needed(i, o, row_bytes, cap) for i, o in zip(ins, outs)]
+    # The forward's receive side stages nothing where rows land in place; the transposed exchange (a
+    # backward) is planned as if it staged both sides.
+    staged = [transpose or not r["recv_direct"] for r in rows]
+    needs = [chunks_needed(i, o, row_bytes, cap, st) for i, o, st in zip(ins, outs, staged)]
     k = max(needs)
     if requested == "chunked":
         if min(needs) < 0:
             r = needs.index(-1)
             return Plan("off", 1, "", requested, True,
                         f"capacity {cap} bytes is below one row per peer on rank {r} "
-                        f"(row {row_bytes} bytes, staging needs {staging_bytes(ins[r], outs[r], row_bytes, max([1, *ins[r], *outs[r]]))} "
+                        f"(row {row_bytes} bytes, staging needs "
+                        f"{staging_bytes(ins[r], outs[r], row_bytes, max([1, *ins[r], *outs[r]]), staged[r])} "
                         f"bytes at one row per peer): raise DITSP_A2A_CAPACITY_BYTES or use off/auto")
         return Plan("chunked", k, f"policy chunked: {k} chunk(s) within {cap} bytes", requested)
     if grad and plane > threshold and long != "chunked":
@@ -377,15 +389,15 @@ class Transport:
     def clear(self) -> None:
         self._agreed.clear()
 
-    def plan(self, src, ins, outs, grad: bool, key: Hashable | None) -> tuple[Plan, Plan]:
+    def plan(self, src, ins, outs, grad: bool, key: Hashable | None, recv_direct: bool = False) -> tuple[Plan, Plan]:
         comm = self.comm()
         s = self.settings
-        vec = _vector(s, self.capable, src, ins, outs, grad)
+        vec = _vector(s, self.capable, src, ins, outs, grad, recv_direct)
         # The cache key holds only what changes on every rank together: the caller's key (the global
         # exchange), this rank's settings, dtype and row shape, and whether a backward pass is running.
         # Not the grad flag: it may differ per rank (an empty shard) and change on one rank alone.
         ck = None if key is None or s.agree == "every" else (
-            key, tuple(vec[:9]), torch._C._current_graph_task_id() != -1)
+            key, tuple(vec[:9]), recv_direct, torch._C._current_graph_task_id() != -1)
         if ck is not None and ck in self._agreed:
             return self._agreed[ck]
         vecs = comm.all_gather_ints(vec)
@@ -599,7 +611,7 @@ def all_to_all(comm: Comm, send, input_splits: Sequence[int], output_splits: Seq
         t = None
     else:
         t = transport_of(comm)
-        plans = t.plan(src, ins, outs, bool(grad), key)
+        plans = t.plan(src, ins, outs, bool(grad), key, receives_in_place(place, outs, comm.rank))
     plan = plans[0]
     if tracked:
         out = _A2A.apply(comm, plan, plans[1], ins, outs, kind, src.materialize())
