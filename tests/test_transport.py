@@ -345,3 +345,64 @@ def test_ulysses_long_sequences_exact_gradients(clusters, tokens):
     for (d_off, _, calls_off), (d_ch, peak, calls) in zip(off, ch):
         assert d_off == d_ch
         assert peak <= capacity and calls > calls_off == 8  # 4 exchanges each way; chunked: more, smaller
+
+
+def _case_data(seed: int, rank: int, n: int, width: int, dtype):
+    """Rank ``rank``'s source rows and send index of random case ``seed`` (any rank can rebuild them)."""
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    m = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 31, (n, n), generator=m) * (torch.rand(n, n, generator=m) > 0.25)
+    rows = int(counts[rank].sum())
+    x = torch.randn(rows + 2, width, generator=g).to(dtype)
+    index = torch.randperm(rows + 2, generator=g)[:rows]
+    return counts, x, index
+
+
+def rank_random(ctx, seed, width, dtype, policy, capacity, use_index, use_place):
+    """One random exchange against the rows every rank can predict from the case's seed."""
+    n, me = ctx.world_size, ctx.rank
+    counts, x, index = _case_data(seed, me, n, width, dtype)
+    ins, outs = [int(v) for v in counts[me]], [int(v) for v in counts[:, me]]
+    expected = []
+    for s in range(n):  # what rank s packs for me: its rows [offset of peer me, + count) in send order
+        _, xs, idx = _case_data(seed, s, n, width, dtype)
+        lo = int(counts[s, :me].sum())
+        rows = idx[lo : lo + int(counts[s, me])] if use_index else torch.arange(lo, lo + int(counts[s, me]))
+        expected.append(xs[rows])
+    expected = torch.cat(expected)
+    place = None
+    if use_place:
+        perm = torch.randperm(sum(outs), generator=torch.Generator().manual_seed(seed + 7 * me))
+        place = tp.Placement(perm)
+        placed = torch.empty_like(expected)
+        placed[perm] = expected
+        expected = placed
+    comm = Comm(ctx.group)
+    tp.configure(comm, tp.TransportSettings(policy=policy, capacity_bytes=capacity))
+    if use_index:
+        send = tp.Rows(x, index)
+    else:
+        send = x[: sum(ins)]
+    try:
+        out = tp.all_to_all(comm, send, ins, outs, "rnd", place=place, key=("rnd", seed))
+    except tp.TransportError as e:
+        return "error", str(e)
+    return torch.equal(out, expected), comm.staging_peak() <= capacity or policy == "off", tp.report(comm)["chunks"]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_exchanges_deliver_every_row(clusters, seed):
+    """Random count matrices (zeros, empty ranks), sources, placements, widths, dtypes and capacities:
+    every rank receives exactly the predicted rows, within its capacity."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    n = 2 + seed % 3
+    width = int(torch.randint(1, 6, (1,), generator=g))
+    dtype = (torch.float32, torch.bfloat16)[seed % 2]
+    policy = ("chunked", "off", "auto")[seed % 3 if seed % 4 else 0]
+    capacity = int(torch.randint(6, 40, (1,), generator=g)) * width * (4 if dtype == torch.float32 else 2)
+    use_index, use_place = bool(seed & 1), bool(seed & 2)
+    for res in clusters(n).run(rank_random, seed, width, dtype, policy, capacity, use_index, use_place):
+        if res[0] == "error":  # a capacity below one row per peer: refused on every rank alike
+            assert "below one row per peer" in res[1]
+            continue
+        assert res[:2] == (True, True)
