@@ -12,7 +12,8 @@ GQA needs no K/V copy on any backend: the ``g = H / Hkv`` query heads of one
 K/V head are viewed as ``g * Sq`` query rows of that head (``[B, Hkv, g*Sq, D]``),
 which is exact for non-causal attention; dK/dV come out summed over the group.
 A causal block with GQA cannot use that view (rows would lose their
-positions): its K/V heads are expanded (a copy) instead.
+positions): each K/V head's query group becomes a batch item instead, with
+the K/V head broadcast to it (a stride-0 view, no copy).
 
 Backends (:data:`TABLE`, tried in order; the first that takes the call's
 device, dtype and head dim wins):
@@ -207,15 +208,17 @@ def choose(device: str, dtype: torch.dtype, head_dim: int, requested: str | None
 # -- block calls ---------------------------------------------------------------------------------
 
 
-def _expand(x, heads: int):
-    """K/V heads repeated to ``heads`` (a copy; causal GQA only)."""
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+def _per_group(q, k, v):
+    """Causal GQA: [B, H, S, D] queries as [B*Hkv, g, S, D] and each K/V head broadcast over its group
+    ([B*Hkv, g, Sk, D], stride 0 on g: no copy). Query rows keep their positions, unlike :func:`grouped`."""
+    b, h, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    g = h // hk
 
+    def kv(x):
+        return x.reshape(b * hk, 1, sk, x.shape[-1]).expand(b * hk, g, sk, x.shape[-1])
 
-def _fold(g, kv_heads: int):
-    """Gradients of expanded K/V heads summed back onto their ``kv_heads``."""
-    b, h = g.shape[:2]
-    return g if h == kv_heads else g.reshape(b, kv_heads, h // kv_heads, *g.shape[2:]).sum(2)
+    return q.reshape(b * hk, g, sq, d), kv(k), kv(v)
 
 
 def block_fwd(backend: str, q, k, v, scale: float, causal: bool = False):
@@ -234,8 +237,11 @@ def block_fwd(backend: str, q, k, v, scale: float, causal: bool = False):
                 q.new_full((b, h, sq), float("-inf") if sk == 0 else 0.0, dtype=torch.float32))
     if backend == "reference":
         return attn_fwd(q, k, v, scale, causal)
+    if causal and h != hk:
+        out, lse = KERNELS[backend].fwd(*_per_group(q, k, v), scale, True)
+        return out.reshape(b, h, sq, -1), lse.reshape(b, h, sq)
     if causal:
-        return KERNELS[backend].fwd(q, _expand(k, h), _expand(v, h), scale, True)
+        return KERNELS[backend].fwd(q, k, v, scale, True)
     out, lse = KERNELS[backend].fwd(grouped(q, hk), k, v, scale)
     return ungrouped(out, h), ungrouped(lse, h)
 
@@ -260,9 +266,16 @@ def block_bwd(backend: str, q, k, v, out, lse, dout, scale: float, delta=None, c
     dt = q.dtype
     out, dout = out.to(dt), dout.to(dt)
     lse = lse.to(torch.float64 if dt == torch.float64 else torch.float32)
+    if causal and h != hk:
+        b, g = q.shape[0], h // hk
+        qg, kg, vg = _per_group(q, k, v)
+        dq, dk, dv = KERNELS[backend].bwd(qg, kg, vg, out.reshape(qg.shape[:3] + out.shape[-1:]),
+                                          lse.reshape(qg.shape[:3]), dout.reshape(qg.shape[:3] + dout.shape[-1:]),
+                                          scale, True)
+        fold = lambda x: x.sum(1).reshape(b, hk, *x.shape[2:])  # noqa: E731 - the group's gradients
+        return dq.reshape(q.shape), fold(dk), fold(dv)
     if causal:
-        dq, dk, dv = KERNELS[backend].bwd(q, _expand(k, h), _expand(v, h), out, lse, dout, scale, True)
-        return dq, _fold(dk, hk), _fold(dv, hk)
+        return KERNELS[backend].bwd(q, k, v, out, lse, dout, scale, True)
     # grouped() reshapes: a view where the layout allows (always without GQA), a copy otherwise.
     dq, dk, dv = KERNELS[backend].bwd(grouped(q, hk), k, v, grouped(out, hk), grouped(lse, hk),
                                       grouped(dout, hk), scale)
