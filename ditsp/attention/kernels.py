@@ -209,7 +209,7 @@ def choose(device: str, dtype: torch.dtype, head_dim: int, requested: str | None
 
 
 def _per_group(q, k, v):
-    """Causal GQA: [B, H, S, D] queries as [B*Hkv, g, S, D] and each K/V head broadcast over its group
+    """Causal blocks: [B, H, S, D] queries as [B*Hkv, g, S, D] and each K/V head broadcast over its group
     ([B*Hkv, g, Sk, D], stride 0 on g: no copy). Query rows keep their positions, unlike :func:`grouped`."""
     b, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -237,11 +237,9 @@ def block_fwd(backend: str, q, k, v, scale: float, causal: bool = False):
                 q.new_full((b, h, sq), float("-inf") if sk == 0 else 0.0, dtype=torch.float32))
     if backend == "reference":
         return attn_fwd(q, k, v, scale, causal)
-    if causal and h != hk:
+    if causal:
         out, lse = KERNELS[backend].fwd(*_per_group(q, k, v), scale, True)
         return out.reshape(b, h, sq, -1), lse.reshape(b, h, sq)
-    if causal:
-        return KERNELS[backend].fwd(q, k, v, scale, True)
     out, lse = KERNELS[backend].fwd(grouped(q, hk), k, v, scale)
     return ungrouped(out, h), ungrouped(lse, h)
 
@@ -266,16 +264,14 @@ def block_bwd(backend: str, q, k, v, out, lse, dout, scale: float, delta=None, c
     dt = q.dtype
     out, dout = out.to(dt), dout.to(dt)
     lse = lse.to(torch.float64 if dt == torch.float64 else torch.float32)
-    if causal and h != hk:
-        b, g = q.shape[0], h // hk
+    if causal:
+        b = q.shape[0]
         qg, kg, vg = _per_group(q, k, v)
         dq, dk, dv = KERNELS[backend].bwd(qg, kg, vg, out.reshape(qg.shape[:3] + out.shape[-1:]),
                                           lse.reshape(qg.shape[:3]), dout.reshape(qg.shape[:3] + dout.shape[-1:]),
                                           scale, True)
         fold = lambda x: x.sum(1).reshape(b, hk, *x.shape[2:])  # noqa: E731 - the group's gradients
         return dq.reshape(q.shape), fold(dk), fold(dv)
-    if causal:
-        return KERNELS[backend].bwd(q, k, v, out, lse, dout, scale, True)
     # grouped() reshapes: a view where the layout allows (always without GQA), a copy otherwise.
     dq, dk, dv = KERNELS[backend].bwd(grouped(q, hk), k, v, grouped(out, hk), grouped(lse, hk),
                                       grouped(dout, hk), scale)

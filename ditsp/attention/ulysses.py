@@ -126,31 +126,19 @@ class WireBlocks:
     def copy_rows(self, a: int, b: int, dst: torch.Tensor) -> None:
         o = 0
         for p in range(len(self.widths)):
-            lo, hi = max(a, self.offsets[p]), min(b, self.offsets[p + 1])
-            if hi <= lo:
-                continue
-            row = self.b * self.widths[p]
-            e0, e1 = lo - self.offsets[p], hi - self.offsets[p]
-            r0, r1 = -(-e0 // row), e1 // row  # whole sequence rows inside [e0, e1)
-            if r1 < r0:  # inside one row: pack it, keep the slice
-                tmp = dst.new_empty(row)
-                self._block_rows(p, e0 // row, e0 // row + 1, tmp)
-                dst[o : o + e1 - e0].copy_(tmp[e0 % row : e0 % row + e1 - e0])
-                o += e1 - e0
-                continue
-            if e0 < r0 * row:  # head: the end of row r0 - 1
-                tmp = dst.new_empty(row)
-                self._block_rows(p, r0 - 1, r0, tmp)
-                dst[o : o + r0 * row - e0].copy_(tmp[e0 - (r0 - 1) * row :])
-                o += r0 * row - e0
-            if r1 > r0:
-                self._block_rows(p, r0, r1, dst[o : o + (r1 - r0) * row])
-                o += (r1 - r0) * row
-            if e1 > r1 * row:  # tail: the start of row r1
-                tmp = dst.new_empty(row)
-                self._block_rows(p, r1, r1 + 1, tmp)
-                dst[o : o + e1 - r1 * row].copy_(tmp[: e1 - r1 * row])
-                o += e1 - r1 * row
+            row = self.b * self.widths[p]  # elements per sequence row of peer p's block
+            e, end = max(a, self.offsets[p]) - self.offsets[p], min(b, self.offsets[p + 1]) - self.offsets[p]
+            while e < end:
+                r = e // row
+                if e % row == 0 and end - e >= row:  # whole rows, straight from the tensors
+                    step = (end - e) // row * row
+                    self._block_rows(p, r, r + step // row, dst[o : o + step])
+                else:  # part of one row: pack the row, keep the slice
+                    step = min(end, (r + 1) * row) - e
+                    tmp = dst.new_empty(row)
+                    self._block_rows(p, r, r + 1, tmp)
+                    dst[o : o + step].copy_(tmp[e - r * row : e - r * row + step])
+                o, e = o + step, e + step
 
 
 def seq_to_head(comm: Comm, xs, head_ranges, seq_lens, kind="ulysses_a2a", stacked=True, contiguous=False):

@@ -147,7 +147,7 @@ def rank_bench(ctx, cfg: dict) -> list[dict]:
                 r["used"] = "+".join(f"{p}x{n}" for p, n in sorted(tp.transport_of(comm).used.items()))
         # The agreement alone: the same small all-gather the transport issues on a new key.
         c = next(iter(comms.values()))
-        n_ints = 12 + 2 * ctx.world_size
+        n_ints = len(tp._FIXED) + 2 * ctx.world_size  # the transport's agreement vector
         c.all_gather_ints([0] * n_ints)
         _barrier(c)
         t0 = time.perf_counter()

@@ -212,20 +212,19 @@ class Placement:
 
     def __init__(self, index: torch.Tensor):
         self.index = index
-        self._memo: dict = {}
+        self._own: tuple | None = None  # (range, the source's index object, the gather)
 
     def own_gather(self, src: Rows, in_lo: int, out_lo: int, n: int) -> torch.Tensor:
         """Index over ``src.x`` whose gather puts the own rows in place (other positions: row 0, overwritten)."""
-        key = (in_lo, out_lo, n, id(src.index))
-        g = self._memo.get(key)
-        if g is None:
+        span = (in_lo, out_lo, n)
+        if self._own is None or self._own[0] != span or self._own[1] is not src.index:  # the object, not its id
             own = torch.arange(in_lo, in_lo + n, device=self.index.device)
             if src.index is not None:
                 own = src.index[in_lo : in_lo + n]
             g = torch.zeros(self.index.numel(), dtype=torch.int64, device=self.index.device)
             g[self.index[out_lo : out_lo + n]] = own.to(torch.int64)
-            self._memo = {key: g}  # one source per placement: keep only the latest
-        return g
+            self._own = (span, src.index, g)  # one source per placement: keep only the latest
+        return self._own[2]
 
 
 # -- plans ------------------------------------------------------------------------
@@ -467,8 +466,9 @@ def _execute(comm: Comm, plan: Plan, src, ins, outs, kind, place: Placement | No
     Every rank issues the same ``k`` calls (a rank with nothing to move joins with empty splits). The own
     segment is copied once, straight from the source to its place in the output, while the first chunk
     is in flight; two chunks are in flight at a time (chunk c is packed and posted, and chunk c-2
-    unpacked, while chunk c-1 is in flight). Staging: up to two send and two receive stages of crossing rows, none where the rows already lie contiguous (sent
-    straight from the source, received straight into the output).
+    unpacked, while chunk c-1 is in flight). Staging: up to two send and two receive stages of
+    crossing rows, none where the rows already lie contiguous (sent straight from the source,
+    received straight into the output).
     """
     if plan.error:
         raise TransportError(f"rank {comm.rank}: {plan.error}")

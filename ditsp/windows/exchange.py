@@ -28,6 +28,7 @@ class RankIndices:
 
     send_index: torch.Tensor  # src-local rows, in send order
     placement: transport.Placement  # received row j (peer order) -> dst-local position
+    key: bytes  # the transport's agreement key: the global count matrix's digest
     input_splits: list[int]  # row r of the count matrix
     output_splits: list[int]  # column r of the count matrix
     local_perm: torch.Tensor | None  # src-local -> dst-local rows when nothing crosses ranks
@@ -43,6 +44,7 @@ def rank_indices(t: Transition, rank: int, device: torch.device | str = "cpu") -
         return RankIndices(
             send_index=send,
             placement=transport.Placement(inverse),
+            key=transport.matrix_key(t.counts),
             input_splits=[int(v) for v in t.counts[rank]],
             output_splits=[int(v) for v in t.counts[:, rank]],
             local_perm=None if t.exchange_required else send[recv],
@@ -60,4 +62,4 @@ def exchange(x: torch.Tensor, t: Transition, comm: Comm) -> torch.Tensor:
         return x.index_select(0, idx.local_perm)
     # Packed and placed by the transport: whole (off) or in chunks bounded by its capacity.
     return transport.all_to_all(comm, transport.Rows(x, idx.send_index), idx.input_splits, idx.output_splits,
-                                "window_exchange", place=idx.placement, key=transport.matrix_key(t.counts))
+                                "window_exchange", place=idx.placement, key=idx.key)
