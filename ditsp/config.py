@@ -43,6 +43,10 @@ class ParallelConfig:
       reads ``DITSP_ULYSSES_A2A_LONG_TRAINING`` (default ``auto``).
     - ``a2a_capacity_bytes``: per-rank transport staging capacity; ``None`` reads
       ``DITSP_A2A_CAPACITY_BYTES`` (default 1 GiB).
+    - ``deterministic``: every kernel call on the SP path gets a shape that does not
+      depend on the SP degree or the plan (:mod:`ditsp.fixed_shape`), so the output
+      equals one device's bit for bit on any CPU; ``False`` runs plain calls (equal
+      within tolerance; see docs/determinism.md for the measured cost).
     """
 
     ulysses_degree: int = 1
@@ -55,6 +59,7 @@ class ParallelConfig:
     ulysses_a2a: str | None = None
     ulysses_a2a_long_training: str | None = None
     a2a_capacity_bytes: int | None = None
+    deterministic: bool = True
 
     def __post_init__(self):
         for name in ("ulysses_degree", "ring_degree"):
@@ -66,6 +71,8 @@ class ParallelConfig:
             v = getattr(self, name)
             if v is not None and v not in valid:
                 raise ParallelConfigError(f"{name} must be one of {', '.join(valid)} (or None), got {v!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ParallelConfigError(f"deterministic must be True or False, got {self.deterministic!r}")
         v = self.a2a_capacity_bytes
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ParallelConfigError(f"a2a_capacity_bytes must be a positive integer (or None), got {v!r}")

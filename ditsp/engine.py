@@ -24,6 +24,7 @@ import torch
 
 from .config import ParallelConfig
 from .dist.launcher import LocalCluster, RankContext, init_from_env
+from .fixed_shape import shapes_for
 from .memory import PeakMemory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -60,6 +61,8 @@ class RunSpec:
     # CPU only: serve every allocation over 128 KiB by mmap (``memory.exact_cpu_peaks``), so the RSS
     # peak is the tensors' peak instead of glibc's heap retention.
     exact_memory: bool = False
+    # Fixed-shape kernel calls (ditsp.fixed_shape): the output equals one device's bit for bit.
+    deterministic: bool = True
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -103,15 +106,16 @@ class Engine:
             cls._cache[key] = cls(spec, device)
         return cls._cache[key]
 
-    def runtime(self, grid, sp: int, group, path: str = "auto", planner: str | None = None):
-        """The SP runtime of a request (cached by grid, path, planner and group)."""
+    def runtime(self, grid, sp: int, group, path: str = "auto", planner: str | None = None,
+                deterministic: bool = True):
+        """The SP runtime of a request (cached by grid, path, planner, kernel-shape policy and group)."""
         from .models.seedvr2.parallelize import parallelize
 
-        key = (tuple(grid), sp, path, planner, id(group))
+        key = (tuple(grid), sp, path, planner, deterministic, id(group))
         if key not in self._runtimes:
             if len(self._runtimes) >= self.MAX_RUNTIMES:
                 self._runtimes.pop(next(iter(self._runtimes)))
-            pc = ParallelConfig(ulysses_degree=sp, window_planner=planner or "lpt")
+            pc = ParallelConfig(ulysses_degree=sp, window_planner=planner or "lpt", deterministic=deterministic)
             self._runtimes[key] = parallelize(self.model.cfg, pc, grid, group, planner, path)
         return self._runtimes[key]
 
@@ -158,7 +162,7 @@ def rank_forward(ctx: RankContext, spec: RunSpec, return_output: bool = True) ->
     engine = Engine.get(spec.model_spec, ctx.device)
     model, vid, txt = build_for(spec, ctx.device)
     group = ctx.group if ctx.world_size > 1 else None
-    rt = engine.runtime(spec.grid, spec.sp, group, spec.path, spec.planner)
+    rt = engine.runtime(spec.grid, spec.sp, group, spec.path, spec.planner, spec.deterministic)
     rows = None
     if spec.feed == "rows":  # this rank's shard only; the whole latent is dropped before any forward
         rows = input_rows(spec, model.cfg.patch_size)
@@ -195,6 +199,7 @@ def rank_forward(ctx: RankContext, spec: RunSpec, return_output: bool = True) ->
         "calls": summary[2],
         "collectives": collectives,
         "report": rt.report(heads=model.cfg.heads),
+        "kernel_shapes": rt.kernel_shapes.describe(),
         "output": out.float().cpu() if return_output and ctx.rank == 0 else None,
     }
 
@@ -212,6 +217,7 @@ def summarize(spec: RunSpec, results: list[dict], check: bool, threads: int) -> 
         "spec": asdict(spec),
         "world_size": spec.sp,
         "path": results[0]["report"],
+        "kernel_shapes": results[0]["kernel_shapes"],
         "rank_time_s": [min(r["times_s"]) for r in results],
         "rank_median_s": [statistics.median(r["times_s"]) for r in results],
         "rank_peak_bytes": [r["peak_bytes"] for r in results],
@@ -224,8 +230,10 @@ def summarize(spec: RunSpec, results: list[dict], check: bool, threads: int) -> 
     if check and out is not None:
         torch.set_num_threads(threads)
         model, vid, txt = build_for(spec)
+        one = model.single_runtime(model.grid_of(vid.shape))
+        one.kernel_shapes = shapes_for(spec.deterministic)  # one device runs the same calls (or plain ones)
         with torch.no_grad():
-            ref = model(vid, txt, 1000.0).float()
+            ref = model(vid, txt, 1000.0, runtime=one).float()
         summary["max_abs_err"] = float((out - ref).abs().max())
         summary["ref_max_abs"] = float(ref.abs().max())
         summary["rel_err"] = summary["max_abs_err"] / max(summary["ref_max_abs"], 1e-30)

@@ -18,7 +18,7 @@ from ditsp.models.seedvr2.vae import TINY
 from ditsp.models.seedvr2.vae.fixtures import seeded_vae
 from ditsp.models.seedvr2.vae.sharded import ParallelVAE, SlabLayout, TimeLayout, even_split
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(420)
 DATA = Path(__file__).parent / "data" / "vae-tiny"
 REL = 1e-5
 EXACT = ["time", "height", "height+chunks"]
@@ -147,7 +147,8 @@ F32, BF16 = torch.float32, torch.bfloat16
     (4, [(F32, 9, 52, 16), (F32, 5, 8, 24), (BF16, 17, 24, 16)]),
 ])
 def test_sharded_modes_are_bitwise_one_device(clusters, world, cases):
-    for rank, rows in enumerate(clusters(world).run(bitwise_cases, cases)):
+    # bf16 convolutions without oneDNN's bf16 path (CPUs without AVX-512) take F.conv3d's slower kernels
+    for rank, rows in enumerate(clusters(world).run(bitwise_cases, cases, timeout_s=200)):
         bad = [r for r in rows if not (r[5] and r[6])]
         assert not bad, (rank, bad)
 

@@ -9,7 +9,9 @@ fp64: per element, fp32 (or bf16) text outputs add exactly in fp64 unless their
 nonzero magnitudes span more than about 2^(29 - log2(windows)), and an exact
 sum does not depend on which rank summed which windows, i.e. on the SP degree
 or the plan (docs/determinism.md). A window's output does not depend on the
-other windows in its SDPA batch (measured on CPU; tests/test_sp_invariance.py).
+other windows in its attention call: under the deterministic kernel-shape
+policy every call holds a fixed number of (window, head) pairs that depends on
+the window length only (:func:`segment_attention`, :mod:`ditsp.fixed_shape`).
 
 Two paths, same maths:
 - ``varlen``: one packed flash-attn varlen call with ``cu_seqlens`` (CUDA,
@@ -28,6 +30,8 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from ..fixed_shape import pair_batch
 
 try:  # optional packed-varlen backend
     from flash_attn import flash_attn_varlen_func  # type: ignore
@@ -101,12 +105,39 @@ def _grouped_sdpa(q, k, v, tq, tk, tv, pack, rope):
         vg = torch.cat([vg, tv.expand(n, L, heads, dim)], 1)
         if tq is not None:
             qg = torch.cat([qg, tq.expand(n, L, heads, dim)], 1)
-        o = F.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2))
-        o = o.transpose(1, 2)  # (n, l[+L], H, D)
+        o = segment_attention(qg, kg, vg)  # (n, l[+L], H, D)
         out.index_copy_(0, idx, o[:, :l].reshape(n * l, heads, dim))
         if txt is not None:
             txt += o[:, l:].double().sum(0)
     return out, txt
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of n segments of one shape: q (n, lq, H, D), k/v (n, lk, H, D) -> (n, lq, H, D).
+
+    Plain (fast policy): one SDPA call over all n segments. Deterministic
+    policy: the n*H (segment, head) pairs run in calls of exactly
+    :func:`~ditsp.fixed_shape.pair_batch` pairs (the last call zero-padded), so
+    a call's shape depends on (lq, lk, D) alone, never on how many segments or
+    heads this rank holds.
+    """
+    n, lq, heads, dim = q.shape
+    per_call = pair_batch(lq)
+    if per_call is None:
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    qp, kp, vp = (t.permute(0, 2, 1, 3).reshape(n * heads, 1, t.shape[1], dim) for t in (q, k, v))
+    pairs = n * heads
+    out = qp.new_empty(qp.shape)
+    for a in range(0, pairs, per_call):
+        b = min(pairs, a + per_call)
+        if b - a == per_call:
+            out[a:b] = F.scaled_dot_product_attention(qp[a:b], kp[a:b], vp[a:b])
+            continue
+        padded = [t.new_zeros((per_call,) + t.shape[1:]) for t in (qp, kp, vp)]
+        for dst, src in zip(padded, (qp, kp, vp)):
+            dst[: b - a] = src[a:b]
+        out[a:b] = F.scaled_dot_product_attention(*padded)[: b - a]
+    return out.view(n, heads, lq, dim).permute(0, 2, 1, 3)
 
 
 def _varlen(q, k, v, tq, tk, tv, pack, rope):

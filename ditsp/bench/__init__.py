@@ -7,14 +7,14 @@ import argparse
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``bench`` command group to the top-level subparsers ``sub``."""
-    from . import attention, crossover, forward, invariance, link, planners
+    from . import attention, crossover, determinism, forward, link, planners
 
     p = sub.add_parser("bench", help="benchmark SP paths side by side on local ranks")
     bsub = p.add_subparsers(dest="bench", required=True)
     attention.add_parser(bsub)
     forward.add_parser(bsub)
     planners.add_parser(bsub)
-    invariance.add_parser(bsub)
+    determinism.add_parser(bsub)
     __import__("ditsp.bench.packed", fromlist=["add_parser"]).add_parser(bsub)
     crossover.add_parser(bsub)
     link.add_parser(bsub)

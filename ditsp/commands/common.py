@@ -136,6 +136,13 @@ def add_plan_limit_args(p: argparse.ArgumentParser) -> None:
                    help="refuse requests whose planning is estimated to take longer (default 600 s)")
 
 
+def add_deterministic_arg(p: argparse.ArgumentParser) -> None:
+    """``--deterministic`` / ``--no-deterministic``: fixed-shape kernel calls (ditsp.fixed_shape) or plain ones."""
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                   help="fixed-shape kernel calls, so the output is the same bits at every SP degree on any CPU "
+                        "(default); --no-deterministic runs plain calls (equal within tolerance, faster)")
+
+
 def add_request_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--grid", help="post-patch token grid T,H,W (e.g. 21,45,80)")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..engine import DTYPES
 from ..models.seedvr2.nadit.config import PRESETS
-from .common import (add_plan_limit_args, add_request_args, check_layers, check_plan_size, check_planner,
+from .common import (add_deterministic_arg, add_plan_limit_args, add_request_args, check_layers, check_plan_size, check_planner,
                      nonneg_int, positive_float, positive_int, resolve_grid)
 
 GiB = 2**30
@@ -38,6 +38,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--path", default="auto", choices=["window", "ulysses", "halo", "auto"],
                    help="Plan A (window), Ulysses baseline, halo-slab Plan B, or auto (cost model)")
     p.add_argument("--check", action="store_true", help="also run single-device and print the parity error")
+    add_deterministic_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=nonneg_int, default=0, help="forwards before the timed ones")
@@ -145,7 +146,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     check_resources(parser, args, cfg, grid, plan.bytes)
     spec = RunSpec(model=args.model, grid=grid, sp=args.sp, layers=args.layers, checkpoint=args.checkpoint,
                    dtype=args.dtype, planner=args.planner, path=args.path, seed=args.seed,
-                   warmup=args.warmup, repeats=args.repeats)
+                   warmup=args.warmup, repeats=args.repeats, deterministic=args.deterministic)
     try:
         with plan_limits(args.max_plan_memory, args.max_plan_seconds):
             summary = run(spec, check=args.check, threads=args.threads, timeout_s=args.timeout)
@@ -169,6 +170,7 @@ def format_run(summary: dict) -> str:
     s = summary["spec"]
     lines = [
         f"{s['model']} ({s['layers'] or 'all'} layers), grid {tuple(s['grid'])}, {s['dtype']}: {summary['path']}",
+        f"kernel calls: {summary['kernel_shapes']}",
         f"{'rank':>5} {'time s':>9} {'peak MiB':>9} {'sent MiB':>9} {'calls':>6}",
     ]
     for r, (t, p, b, c) in enumerate(zip(summary["rank_time_s"], summary["rank_peak_bytes"],

@@ -13,6 +13,8 @@ import os
 import socket
 import sys
 
+from .common import add_deterministic_arg
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="restoration server (HTTP API) on a persistent, elastic SP group",
@@ -34,6 +36,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck collective fails")
     p.add_argument("--job-timeout", type=float, default=3600.0, help="seconds before a job is declared stuck")
     p.add_argument("--no-respawn", action="store_true", help="do not replace lost ranks with new workers")
+    add_deterministic_arg(p)
     p.set_defaults(func=main)
     return p
 
@@ -83,7 +86,8 @@ def settings_from(args):
     return Settings(data_dir=args.data_dir, sp=args.sp, model=args.model, dit=args.dit, vae=args.vae,
                     text_embedding=args.text_embedding, dtype=args.dtype, token=token,
                     allow_input=list(args.allow_input), max_upload_mb=args.max_upload_mb, threads=args.threads,
-                    timeout_s=args.timeout, job_timeout_s=args.job_timeout, respawn=not args.no_respawn)
+                    timeout_s=args.timeout, job_timeout_s=args.job_timeout, respawn=not args.no_respawn,
+                    deterministic=args.deterministic)
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

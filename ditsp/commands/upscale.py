@@ -14,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+from .common import add_deterministic_arg
+
 VIDEO_OUT = (".mp4", ".mov", ".mkv")
 IMAGE_OUT = (".png", ".jpg", ".jpeg", ".webp")
 
@@ -53,6 +55,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before a stuck rank ends the run")
     p.add_argument("--plot", metavar="FILE.png", help="picture of input vs output frames and the stage timeline")
+    add_deterministic_arg(p)
     p.add_argument("--check", action="store_true",
                    help="also restore on one device (to a temporary file) and report whether the frames match")
     p.add_argument("--json", action="store_true", help="print one JSON report")
@@ -152,7 +155,7 @@ def build_request(args):
         color_fix=args.color_fix, window_frames=args.window_frames, overlap=args.overlap, vae_mode=args.vae_mode,
         vae_chunk=args.vae_chunk, budget_gib=args.max_memory, planner=args.planner, sp=args.sp, crf=args.crf, fps=args.fps,
         overwrite=args.overwrite, progress=not args.no_progress and not args.json,
-        sample_frames=4 if args.plot else 0,
+        sample_frames=4 if args.plot else 0, deterministic=args.deterministic,
     )
     window = min(args.window_frames or padded_length(frames), padded_length(frames))
     return req, info, frames, geo, window

@@ -63,6 +63,7 @@ class Settings:
     timeout_s: float = 60.0
     job_timeout_s: float = 3600.0
     respawn: bool = True
+    deterministic: bool = True  # fixed-shape kernel calls: a re-run job (any SP degree) writes the same frames
 
     @property
     def weights(self):
@@ -318,5 +319,5 @@ def _upscale_args(settings: Settings, src: str, out: str, opts: dict) -> argpars
         overlap=opts.get("overlap", 4), vae_mode=opts.get("vae_mode", "auto"), vae_chunk=opts.get("vae_chunk", 1),
         planner=opts.get("planner"), max_memory=None, force=False, fps=opts.get("fps"),
         crf=opts.get("crf", 18), overwrite=False, threads=settings.threads, timeout=settings.job_timeout_s,
-        plot=None, check=False, json=True, no_progress=True,
+        plot=None, check=False, json=True, no_progress=True, deterministic=settings.deterministic,
     )

@@ -233,6 +233,8 @@ class ChosenRuntime:
     dtype = property(lambda self: self._rt.dtype)
     grid = property(lambda self: self._rt.grid)
     layer_methods = property(lambda self: self._rt.layer_methods)
+    kernel_shapes = property(lambda self: self._rt.kernel_shapes,
+                             lambda self, v: setattr(self._rt, "kernel_shapes", v))
 
     def scatter(self, x, layer=0):
         return self._rt.scatter(x, layer)

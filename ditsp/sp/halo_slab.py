@@ -53,6 +53,7 @@ from ..attention.common import even_splits
 from ..attention.window import WindowPack, window_attention
 from ..dist.agree import agree
 from ..dist.comm import Comm
+from ..fixed_shape import DETERMINISTIC
 from ..windows.exchange import exchange
 from ..windows.geometry import WindowLayout, canonical_method, check_grid, short_name, window_layout
 from ..windows.ownership import RowOwnership, ownership_transition
@@ -206,6 +207,8 @@ def plan_halo(grid: Sequence[int], layer_methods: Sequence[str], world_size: int
 
 class HaloSlabRuntime:
     """Plan B for one request on one SP group; implements :class:`~ditsp.sp.protocol.SPRuntime`."""
+
+    kernel_shapes = DETERMINISTIC
 
     def __init__(self, grid: Sequence[int], layer_methods: Sequence[str], comm: Comm,
                  num_windows: Sequence[int] = (4, 3, 3), dtype: torch.dtype = torch.float32,

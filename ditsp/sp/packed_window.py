@@ -28,10 +28,11 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from ..attention.window import segment_attention
 from ..dist.agree import agree
 from ..dist.comm import Comm
+from ..fixed_shape import DETERMINISTIC
 from ..windows.exchange import exchange
 from ..windows.geometry import canonical_method, short_name
 from ..windows.packed import PackedLayout, packed_layout
@@ -66,6 +67,8 @@ class PackedWindowPack:
 
 class PackedWindowRuntime:
     """Window-aligned SP for several requests at once on one SP group."""
+
+    kernel_shapes = DETERMINISTIC
 
     def __init__(self, grids: Sequence[Sequence[int]], layer_methods: Sequence[str], comm: Comm,
                  text_lens: Sequence[int], planner: str = "lpt", num_windows: Sequence[int] = (4, 3, 3),
@@ -188,8 +191,7 @@ class PackedWindowRuntime:
             vg = torch.cat([vg, tv[a:b].expand(n, L, heads, dim)], 1)
             if tq is not None:
                 qg = torch.cat([qg, tq[a:b].expand(n, L, heads, dim)], 1)
-            o = F.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2))
-            o = o.transpose(1, 2)
+            o = segment_attention(qg, kg, vg)
             out.index_copy_(0, idx, o[:, :l].reshape(n * l, heads, dim))
             if txt is not None:
                 txt[a:b] += o[:, l:].double().sum(0)

@@ -30,6 +30,7 @@ import torch
 
 from ..attention.window import WindowPack
 from ..dist.comm import Comm
+from ..fixed_shape import DETERMINISTIC, KernelShapes
 from ..windows.ownership import RowOwnership
 
 RopeFn = Callable[[torch.Tensor, tuple[int, int, int]], torch.Tensor]
@@ -43,6 +44,7 @@ class SPRuntime(Protocol):
     rank: int
     world_size: int
     dtype: torch.dtype  # dtype of the text reduction (agreed by every rank)
+    kernel_shapes: KernelShapes  # fixed-shape or plain kernel calls (ditsp.fixed_shape), set by parallelize
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -101,6 +103,7 @@ class ScheduleRuntime:
     the request's grid and layer methods, and window packs cached per layout and device."""
 
     schedule: object
+    kernel_shapes: KernelShapes = DETERMINISTIC
 
     @property
     def grid(self) -> tuple[int, int, int]:

@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from ...dist.comm import Comm
+from ...fixed_shape import use as use_kernel_shapes
 from ...sp.packed_window import PackedWindowRuntime
 from .nadit.blocks import ATTN, GATE, MLP, SCALE, SHIFT, emb_slots, rms_norm
 from .nadit.model import patchify, unpatchify
@@ -109,6 +110,12 @@ def packed_forward(model, requests: Sequence[tuple[torch.Tensor, torch.Tensor, o
         raise ValueError(f"runtime planned {rt.grids}; the requests have grids {grids}")
     if list(rt.text_lens) != [t.shape[0] for _, t, _ in requests]:
         raise ValueError(f"runtime planned text lengths {rt.text_lens}")
+    with use_kernel_shapes(rt.kernel_shapes):
+        return _packed_forward(model, requests, rt, grids)
+
+
+def _packed_forward(model, requests, rt: PackedWindowRuntime, grids) -> list[torch.Tensor]:
+    cfg, dtype = model.cfg, model.dtype
     embs, rows, txts = [], [], []
     for vid, txt, timestep in requests:
         t = torch.as_tensor(timestep, dtype=torch.float32, device=vid.device).reshape(-1)[:1]

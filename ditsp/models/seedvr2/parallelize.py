@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 from ...config import ParallelConfig, ParallelConfigError
 from ...dist.comm import Comm
+from ...dist.agree import agree
 from ...dist.transport import configure
+from ...fixed_shape import shapes_for
 from ...sp import SPRuntime, UlyssesWindowRuntime, WindowRuntime
 from .nadit.config import NaDiTConfig
 
@@ -52,23 +54,27 @@ def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: 
     path = path or pc.window_path
     if path == "auto" and planner:
         path = "window"  # a named planner means Plan A with it
-    if path == "auto":
-        return _auto(cfg, grid, comm)
+    if path not in PATHS:
+        raise ValueError(f"unknown SP path {path!r}; choose from {', '.join(PATHS)}")
+    rt = _auto(cfg, grid, comm) if path == "auto" else _build(path, cfg, grid, comm, planner or pc.window_planner)
+    rt.kernel_shapes = shapes_for(pc.deterministic)
+    if world > 1:
+        agree(comm, "the kernel-shape policy (deterministic)", {"deterministic": pc.deterministic})
+    return rt
+
+
+def _build(path: str, cfg: NaDiTConfig, grid: Sequence[int], comm: Comm, planner: str | None) -> SPRuntime:
     if path == "window":
-        return WindowRuntime(grid, cfg.window_methods, comm, planner or pc.window_planner, cfg.num_windows,
-                             torch.float64)
+        return WindowRuntime(grid, cfg.window_methods, comm, planner, cfg.num_windows, torch.float64)
     if path == "ulysses":
         return UlyssesWindowRuntime(grid, cfg.window_methods, cfg.heads, comm, cfg.num_windows, torch.float64)
-    if path == "halo":
-        from ...sp.halo_slab import HaloSlabRuntime
+    from ...sp.halo_slab import HaloSlabRuntime
 
-        return HaloSlabRuntime(grid, cfg.window_methods, comm, cfg.num_windows, torch.float64)
-    raise ValueError(f"unknown SP path {path!r}; choose from {', '.join(PATHS)}")
+    return HaloSlabRuntime(grid, cfg.window_methods, comm, cfg.num_windows, torch.float64)
 
 
 def _auto(cfg: NaDiTConfig, grid: Sequence[int], comm: Comm) -> SPRuntime:
     """The cost model's cheapest path, checked to be the same on every rank, then built."""
-    from ...dist.agree import agree
     from ...sp.choice import ChosenRuntime, Link, choose, split_path
 
     link = Link.load()
@@ -76,12 +82,5 @@ def _auto(cfg: NaDiTConfig, grid: Sequence[int], comm: Comm) -> SPRuntime:
     agree(comm, "the auto SP path (choice, runner-up, link)",
           {"choice": [c.path for c in choice.costs[:2]], "link": link.as_dict()})
     base, planner = split_path(choice.best.path)
-    if base == "window":
-        rt = WindowRuntime(grid, cfg.window_methods, comm, planner, cfg.num_windows, torch.float64)
-    elif base == "ulysses":
-        rt = UlyssesWindowRuntime(grid, cfg.window_methods, cfg.heads, comm, cfg.num_windows, torch.float64)
-    else:
-        from ...sp.halo_slab import HaloSlabRuntime
-
-        rt = HaloSlabRuntime(grid, cfg.window_methods, comm, cfg.num_windows, torch.float64)
+    rt = _build(base, cfg, grid, comm, planner)
     return ChosenRuntime(rt, choice)

@@ -31,6 +31,8 @@ import torch
 
 from ...config import ParallelConfig
 from ...dist.comm import Comm, CommStats
+from ...fixed_shape import shapes_for
+from ...fixed_shape import use as use_kernel_shapes
 from ...memory import PeakMemory
 from ...windows.ownership import RowOwnership
 from .budget import pipeline_vae_mode
@@ -83,6 +85,7 @@ class UpscaleRequest:
     progress: bool = True
     sample_frames: int = 0  # keep this many (input, output) frame pairs for a picture
     handoff: bool = True  # height-sharded VAE: slabs straight to the DiT's windows (False: gather, then scatter)
+    deterministic: bool = True  # fixed-shape kernel calls in the DiT and the VAE: the same frames at every SP degree
 
 
 class _Frames:
@@ -153,6 +156,13 @@ def _transform(req: UpscaleRequest, frames: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def rank_upscale(ctx, req: UpscaleRequest) -> dict:
     """One rank's share of a restoration; rank 0 writes the output and returns the full report."""
+    with use_kernel_shapes(shapes_for(req.deterministic)):  # the VAE's calls; the DiT's come from its runtime
+        report = _rank_upscale(ctx, req)
+    report["kernel_shapes"] = shapes_for(req.deterministic).describe()
+    return report
+
+
+def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
     from tqdm import tqdm
 
     from ...io.video import VideoWriter, open_media, write_image
@@ -269,10 +279,11 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
 SLAB_MODES = ("height", "height+chunks")
 
 
-def _runtime(runtimes: dict, ctx, dit, grid, planner: str | None):
+def _runtime(runtimes: dict, ctx, dit, grid, planner: str | None, deterministic: bool):
     if grid not in runtimes:
         group = ctx.group if ctx.world_size > 1 else None
-        runtimes[grid] = parallelize(dit.cfg, ParallelConfig(ulysses_degree=ctx.world_size), grid, group, planner)
+        pc = ParallelConfig(ulysses_degree=ctx.world_size, deterministic=deterministic)
+        runtimes[grid] = parallelize(dit.cfg, pc, grid, group, planner)
     return runtimes[grid]
 
 
@@ -291,7 +302,7 @@ def _whole_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, repo
     bar.update()
     noise = make_noise(latent.shape, g, dtype=torch.float32)
     vid = dit_input(noise, latent.float())
-    rt = _runtime(runtimes, ctx, dit, dit.grid_of(vid.shape), req.planner)
+    rt = _runtime(runtimes, ctx, dit, dit.grid_of(vid.shape), req.planner, req.deterministic)
     v = st.run("dit", index, lambda: dit(vid.to(dit.dtype), models.text, dit_timestep(ctx.device), runtime=rt))
     bar.update()
     z = decoder_latent(one_step_x0(noise, v), dtype=vae.dtype)
@@ -320,7 +331,7 @@ def _sharded_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, re
     noise = make_noise((t, h, w, vae.cfg.latent_channels), g, dtype=torch.float32)[:, h0:h1]
     slabs = RowOwnership.slabs((t, h, w), [layout.rank_rows(r) for r in range(ctx.world_size)], "VAE slabs")
     rows = dit_input(noise, latent.float()).reshape(-1, noise.shape[-1] * 2 + 1)
-    rt = _runtime(runtimes, ctx, dit, dit.grid_of((t, h, w)), req.planner)
+    rt = _runtime(runtimes, ctx, dit, dit.grid_of((t, h, w)), req.planner, req.deterministic)
     v = st.run("dit", index, lambda: dit(rows.to(dit.dtype), models.text, dit_timestep(ctx.device), runtime=rt,
                                          rows=slabs))
     bar.update()
@@ -381,6 +392,7 @@ def format_report(s: dict) -> str:
         f"{s['input']} -> {s['output']}: {s['frames_written']} frames, {s['geometry']}, "
         f"{len(s['windows'])} window(s), SP={s['world_size']}",
         f"DiT: {s['dit_path']}",
+        f"kernel calls: {s.get('kernel_shapes', 'deterministic')}",
         *(f"{m}" for m in s["vae_modes"]),
         f"{'stage':<11} {'time s':>8} {'share':>6} {'peak MiB (max rank)':>20}",
     ]

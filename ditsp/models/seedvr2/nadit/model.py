@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ....fixed_shape import use as use_kernel_shapes
 from ....sp import SPRuntime, WindowRuntime, check_request
 from ....windows.ownership import RowOwnership
 from .blocks import NaMMSRBlock
@@ -140,10 +141,14 @@ class NaDiT(nn.Module):
         (canonical rows, gathered: every rank must pass it) and ``block<i>.txt``;
         a 7B model then also computes the last block's discarded text output.
         """
-        cfg, dtype = self.cfg, self.dtype
         grid = self.grid_of(rows.grid if rows is not None else vid.shape)
         rt = runtime or self.single_runtime(grid)
-        check_request(rt, grid, cfg.window_methods, cfg.name)
+        check_request(rt, grid, self.cfg.window_methods, self.cfg.name)
+        with use_kernel_shapes(rt.kernel_shapes):  # the request's kernel-shape policy, for every call below
+            return self._forward(vid, txt, timestep, rt, grid, states, rows)
+
+    def _forward(self, vid, txt, timestep, rt: SPRuntime, grid, states, rows) -> torch.Tensor:
+        cfg, dtype = self.cfg, self.dtype
         if rows is not None and states is not None:
             raise ValueError("states are recorded on canonical input only (rows=None)")
         t = torch.as_tensor(timestep, dtype=torch.float32, device=vid.device).reshape(-1)[:1]

@@ -27,23 +27,69 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ....fixed_shape import conv_tile_rows
 from .config import VaeConfig
 
 
 _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.aten, "mkldnn_convolution")
+# oneDNN's bf16 convolution needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; other CPUs take F.conv3d.
+_MKLDNN_DTYPES = (torch.float32,) + ((torch.bfloat16,) if _MKLDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
 
 
 def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride=(1, 1, 1),
            padding=(0, 0, 0)) -> torch.Tensor:
-    """``F.conv3d`` with one algorithm for every input shape, so a pixel's value does not depend on
-    how many rows or frames the piece around it has (what makes slabs bitwise equal to the frame).
+    """``F.conv3d`` whose calls have a shape that does not depend on the piece around a pixel.
+
+    Under the deterministic kernel-shape policy (:mod:`ditsp.fixed_shape`) every call computes one
+    output frame of exactly :func:`~ditsp.fixed_shape.conv_tile_rows` output rows (a function of the
+    layer's width): time and row padding are made explicit first, and a tile past the last rows is
+    zero-padded in an aligned staging buffer. So a pixel's value is the same whether its piece of
+    the clip is the whole clip, a chunk of frames, a time shard or a height slab, on any CPU
+    kernels. Under the fast policy it is one call over the piece.
+    """
+    tile_rows = conv_tile_rows(_out_size(x.shape[4] + 2 * padding[2], weight.shape[4], stride[2]))
+    if tile_rows is None or not x.numel():
+        return _conv_call(x, weight, bias, stride, padding)
+    pt, ph, pw = padding
+    if pt or ph:
+        x = F.pad(x, (0, 0, ph, ph, pt, pt))
+    (kt, kh), (st, sh) = weight.shape[2:4], stride[:2]
+    t_out, h_out = _out_size(x.shape[2], kt, st), _out_size(x.shape[3], kh, sh)
+    if t_out <= 0 or h_out <= 0:
+        return _conv_call(x, weight, bias, stride, (0, 0, pw))
+    in_rows = (tile_rows - 1) * sh + kh
+    out, stage = None, None
+    for t in range(t_out):
+        frames = x[:, :, t * st:t * st + kt]
+        for j in range(0, h_out, tile_rows):
+            tile = frames[:, :, :, j * sh:j * sh + in_rows]
+            if tile.shape[3] < in_rows:
+                if stage is None:
+                    stage = x.new_zeros(tile.shape[:3] + (in_rows,) + tile.shape[4:])
+                stage[:, :, :, :tile.shape[3]] = tile
+                stage[:, :, :, tile.shape[3]:] = 0
+                tile = stage
+            y = _conv_call(tile, weight, bias, (1, sh, stride[2]), (0, 0, pw))  # (B, C_out, 1, rows, W_out)
+            if out is None:
+                out = x.new_empty(y.shape[:2] + (t_out, h_out) + y.shape[4:])
+            rows = min(tile_rows, h_out - j)
+            out[:, :, t, j:j + rows] = y[:, :, 0, :rows]
+    return out
+
+
+def _out_size(size: int, kernel: int, stride: int) -> int:
+    return (size - kernel) // stride + 1
+
+
+def _conv_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding) -> torch.Tensor:
+    """One convolution call, on oneDNN wherever it can run the dtype.
 
     On CPU, ``F.conv3d`` picks oneDNN or im2col + GEMM by the input's size (float32, batch 1:
-    oneDNN only above 20480 = C*T*H), and the two round differently; so CPU float32/bfloat16
-    convs call oneDNN directly, whatever the size. Elsewhere (CUDA) this is ``F.conv3d``, whose
-    algorithm choice may still depend on the shape.
+    oneDNN only above 20480 = C*T*H), so the fast policy's calls go to oneDNN directly for one
+    algorithm at every size where oneDNN supports the dtype. Under the deterministic policy every
+    call has one shape anyway, so whichever algorithm ``F.conv3d`` picks for it is picked always.
     """
-    if _MKLDNN and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.numel():
+    if _MKLDNN and x.device.type == "cpu" and x.dtype in _MKLDNN_DTYPES and x.numel():
         return torch.ops.aten.mkldnn_convolution(x.contiguous(), weight.contiguous(), bias, list(padding),
                                                  list(stride), [1, 1, 1], 1)
     return F.conv3d(x, weight, bias, stride=stride, padding=padding)
