@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 # Rows per GEMM tile: a multiple of every micro-kernel height we know of (4, 6, 8, 12, 16, 32, 64) so no
 # row of a tile falls in an edge micro-tile; chosen by `ditsp bench determinism` (cost vs one plain call).
-ROW_TILE = 192
+ROW_TILE = 768
 # (window, head) pairs per attention call: enough rows that small windows still batch, a function of the
 # window length alone.
 PAIR_ROWS = 512
