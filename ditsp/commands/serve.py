@@ -34,7 +34,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-upload-mb", type=float, default=512.0, metavar="M", help="largest upload accepted")
     p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck collective fails")
-    p.add_argument("--job-timeout", type=float, default=3600.0, help="seconds before a job is declared stuck")
+    p.add_argument("--job-timeout", type=float, default=3600.0, help="seconds a job may go without progress before it is declared stuck")
     p.add_argument("--no-respawn", action="store_true", help="do not replace lost ranks with new workers")
     add_deterministic_arg(p)
     p.set_defaults(func=main)
@@ -110,7 +110,11 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..serve.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app = create_app(settings)
+    try:
+        app = create_app(settings)  # takes the data dir's lock: one server per data dir
+    except ValueError as e:
+        sock.close()
+        return _fail(str(e))
     host, port = sock.getsockname()[:2]
     print(f"ditsp serve: listening on http://{host}:{port} (SP={settings.sp}, model {settings.model}, "
           f"data {os.path.abspath(settings.data_dir)})", flush=True)

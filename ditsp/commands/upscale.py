@@ -53,7 +53,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--crf", type=int, default=18, help="H.264 quality (0-51, lower is better)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before a stuck rank ends the run")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds a rank may go without progress (no collective, no stage done) before it counts as stuck")
     p.add_argument("--plot", metavar="FILE.png", help="picture of input vs output frames and the stage timeline")
     add_deterministic_arg(p)
     p.add_argument("--check", action="store_true",
@@ -200,12 +201,15 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return _fail(str(e).splitlines()[0])
     except (ValueError, MemoryError, OSError) as e:
         return _fail(str(e))
+    finally:  # a rank killed or hung while writing leaves its hidden temporary file: the ranks are gone now
+        _sweep_output(args.output)
     if "output" not in results[0]:  # a torchrun rank other than 0: rank 0 reports
         return 0
     summary = summarize(results)
     summary["memory_estimate"] = mem_line
     if args.check:
         summary["parity"] = parity_vs_one_device(req, summary, args.threads)
+        summary["check"] = check_verdict(summary["parity"], req.sp)
     if args.plot:
         plot_report(summary, args.plot)
     summary.pop("samples", None)
@@ -217,7 +221,23 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(format_parity(summary["parity"], req.sp))
         if args.plot:
             print(f"wrote {args.plot}")
+    if args.check and summary["check"] != "passed":  # a failed check is a failed run (the output is kept)
+        return _fail(f"--check {summary['check']}")
     return 0
+
+
+def _sweep_output(output: str) -> None:
+    from ..io.video import sweep_temps
+
+    sweep_temps(os.path.dirname(os.path.abspath(output)), output)
+
+
+def check_verdict(parity: dict, sp: int) -> str:
+    """``"passed"``, or ``"failed: ..."`` saying how the SP frames differ from one device's."""
+    if parity["same_frames"]:
+        return "passed"
+    return (f"failed: SP={sp} frames differ from one device's (max abs difference after encoding "
+            f"{parity.get('max_abs_diff_decoded')})")
 
 
 def parity_vs_one_device(req, summary: dict, threads: int) -> dict:

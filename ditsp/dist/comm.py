@@ -17,6 +17,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .heartbeat import beat
+
 
 @dataclass
 class KindStats:
@@ -32,6 +34,7 @@ class CommStats:
     kinds: dict = field(default_factory=lambda: defaultdict(KindStats))
 
     def add(self, kind: str, sent: int, recv: int) -> None:
+        beat()  # a collective went through: this rank is not stuck
         k = self.kinds[kind]
         k.calls += 1
         k.bytes_sent += int(sent)

@@ -196,12 +196,24 @@ def _format_exc(e: BaseException) -> str:
     return "".join(traceback.format_exception(type(e), e, e.__traceback__))
 
 
+def error_line(e: BaseException, limit: int = 600) -> str:
+    """``Type: message`` on one line: a multi-line message (a checkpoint report, say) joined with "; ", so the
+    first line of a rank's report names the problem, not just its title."""
+    parts = [p.strip().rstrip(":") for p in str(e).splitlines() if p.strip()]
+    text = f"{type(e).__name__}: {'; '.join(parts)}" if parts else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, tasks, answers,
-            parent_pid: int | None = None, stack_path: str | None = None) -> None:
+            parent_pid: int | None = None, stack_path: str | None = None, beats=None) -> None:
     if parent_pid is not None:
         die_with_parent(parent_pid)
     results = _Answers(rank, answers)
     fh = _stack_file(stack_path) if stack_path else None
+    if beats is not None:
+        from .heartbeat import install
+
+        install(beats, rank)
     try:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = LOOPBACK, str(port)
@@ -215,7 +227,7 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, ta
         ctx = RankContext(rank, world, dist.group.WORLD, torch.device("cpu"))
         results.put((rank, -1, True, bytes(ForkingPickler.dumps(None))))
     except BaseException as e:  # noqa: BLE001 - report any start-up failure to the parent
-        results.put((rank, -1, False, f"{type(e).__name__}: {e}\n{_format_exc(e)}"))
+        results.put((rank, -1, False, f"{error_line(e)}\n{_format_exc(e)}"))
         return
     timer = fh is not None and not hasattr(signal, "SIGUSR1")
     while True:
@@ -238,7 +250,7 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, ta
         try:
             out = fn(ctx, *args, **kwargs)
         except BaseException as e:  # noqa: BLE001
-            results.put((rank, call_id, False, f"{type(e).__name__}: {e}\n{_format_exc(e)}"))
+            results.put((rank, call_id, False, f"{error_line(e)}\n{_format_exc(e)}"))
             continue
         finally:
             if timer:
@@ -310,11 +322,12 @@ class LocalCluster:
         self._store, self._addr = loopback_store(self.world_size, max(_START_S, self.timeout_s))
         port = self._addr[1]
         self._stack_dir = tempfile.mkdtemp(prefix="ditsp-ranks-")
+        self._beats = ctx.Array("Q", self.world_size, lock=False)  # each rank's progress counter
         self._procs = [
             ctx.Process(
                 target=_worker,
                 args=(r, self.world_size, port, self.timeout_s, self.threads, self._tasks[r], pipes[r][1],
-                      os.getpid(), self._stack_path(r)),
+                      os.getpid(), self._stack_path(r), self._beats),
                 daemon=True,
                 name=f"ditsp-rank-{r}",
             )
@@ -324,7 +337,7 @@ class LocalCluster:
             p.start()
         for _, writer in pipes:
             writer.close()  # the ranks hold theirs: a rank's end closing means the rank is gone
-        self._collect(-1, time.monotonic() + max(_START_S, self.timeout_s), "start-up", max(_START_S, self.timeout_s))
+        self._collect(-1, max(_START_S, self.timeout_s), "start-up", idle=False)
 
     def _stack_path(self, rank: int) -> str:
         return os.path.join(self._stack_dir, f"rank{rank}.stacks")
@@ -375,16 +388,27 @@ class LocalCluster:
         crash = self._read_stacks(rank)
         return False, _death(proc.exitcode) + (f"\n{crash}" if crash else "")
 
-    def _collect(self, call_id: int, deadline: float, what: str, timeout_s: float) -> list:
+    def _collect(self, call_id: int, timeout_s: float, what: str, idle: bool = True) -> list:
+        """Every rank's answer. ``idle``: a rank fails when its heartbeat has not moved for ``timeout_s``
+        (stuck), however long the call runs; else ``timeout_s`` is a deadline on the whole call."""
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
         grace = None  # once a rank failed, peers get a few seconds to report theirs
+        start = time.monotonic()
+        seen = list(self._beats)
+        moved = [start] * self.world_size  # when each rank's heartbeat last moved
+        deadline = start + timeout_s
         while len(out) + len(errors) < self.world_size:
             now = time.monotonic()
+            pending = [r for r in range(self.world_size) if r not in out and r not in errors]
+            if idle:
+                for r in pending:
+                    if self._beats[r] != seen[r]:
+                        seen[r], moved[r] = self._beats[r], now
+                deadline = min(moved[r] for r in pending) + timeout_s
             limit = deadline if grace is None else min(deadline, grace)
             if now >= limit:
                 break
-            pending = [r for r in range(self.world_size) if r not in out and r not in errors]
             waitables = {self._answers[r]: r for r in pending}
             waitables.update({self._procs[r].sentinel: r for r in pending})
             ready = multiprocessing.connection.wait(list(waitables), timeout=min(limit - now, 0.5))
@@ -404,10 +428,10 @@ class LocalCluster:
             missing = [r for r in range(self.world_size) if r not in out and r not in errors]
             stacks = self._hung_stacks(missing) if missing else {}
             self.close(force=True)
-            raise RankError(self._report(what, timeout_s, errors, missing, stacks, grace is not None))
+            raise RankError(self._report(what, timeout_s, errors, missing, stacks, grace is not None, idle))
         return [out[r] for r in range(self.world_size)]
 
-    def _report(self, what, timeout_s, errors, missing, stacks, after_failure) -> str:
+    def _report(self, what, timeout_s, errors, missing, stacks, after_failure, idle=False) -> str:
         """One line naming what went wrong on which rank, then the details."""
         by_line: dict[str, list[int]] = {}
         for r, tb in sorted(errors.items()):
@@ -416,6 +440,7 @@ class LocalCluster:
                    for line, rs in by_line.items()]
         if missing:
             why = (f"no answer within {_GRACE_S:g} s of the failure above" if after_failure
+                   else f"made no progress for {timeout_s:g} s (no collective completed, no heartbeat)" if idle
                    else f"did not answer within the deadline of {timeout_s:g} s")
             summary.append(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} {why}")
         parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
@@ -448,7 +473,7 @@ class LocalCluster:
         limit = timeout_s or self.timeout_s
         for q, blob in zip(self._tasks, blobs):
             q.put((self._calls, limit, blob))
-        return self._collect(self._calls, time.monotonic() + limit, name, limit)
+        return self._collect(self._calls, limit, name)
 
     def close(self, force: bool = False) -> None:
         if self._procs:
@@ -470,8 +495,8 @@ class LocalCluster:
     def __enter__(self) -> "LocalCluster":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(force=exc_type is not None)  # Ctrl-C or a failure: busy ranks would not read a stop
 
 
 def launch(fn: Callable, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1, **kwargs) -> list:

@@ -23,6 +23,7 @@ import contextlib
 import os
 import re
 import secrets
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -91,9 +92,16 @@ def media_kind(path: str | os.PathLike) -> str:
 
 
 def _check_input(path: str | os.PathLike) -> Path:
+    """An existing regular file or folder; a pipe, socket or device would block or never end when read."""
     p = Path(path)
-    if not p.exists():
-        raise _fail(f"{p}: no such file or folder")
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        raise _fail(f"{p}: no such file or folder") from None
+    except OSError as e:
+        raise _fail(f"{p}: cannot be read ({e.strerror})") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise _fail(f"{p}: not a regular file or a folder (pipes, sockets and devices are refused)")
     return p
 
 
@@ -307,9 +315,10 @@ def list_frames(folder: str | os.PathLike) -> list[Path]:
     p = _check_input(folder)
     if not p.is_dir():
         raise _fail(f"{p}: is not a folder")
-    files = [
-        f for f in p.iterdir() if f.is_file() and not f.name.startswith(".") and f.suffix.lower() in IMAGE_EXTS
-    ]
+    files = [f for f in p.iterdir() if not f.name.startswith(".") and f.suffix.lower() in IMAGE_EXTS]
+    for f in files:
+        _check_input(f)  # a pipe named like a frame is refused, not read (f.is_file() would skip a folder)
+    files = [f for f in files if f.is_file()]
     if not files:
         raise _fail(f"{p}: no image files ({' '.join(IMAGE_EXTS)}) in the folder")
     return sorted(files, key=lambda f: natural_key(f.name))
@@ -383,10 +392,51 @@ def _temp_name(p: Path) -> Path:
     return p.with_name(f".{p.stem}.tmp-{os.getpid()}-{secrets.token_hex(4)}{p.suffix}")
 
 
+# our temporary files only: ".<stem>.tmp-<pid>-<8 hex><ext>" (what _temp_name makes)
+_TEMP_RE = re.compile(r"^\.(?P<stem>.*)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}(?P<ext>\.[A-Za-z0-9]{1,5})$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, but another user's
+        return True
+    return True
+
+
+def sweep_temps(folder: str | os.PathLike, target: str | os.PathLike | None = None) -> list[Path]:
+    """Delete our stale temporary files in ``folder`` (their writer's pid is gone); the paths deleted.
+
+    Only names of our own pattern are touched; with ``target``, only those of
+    that output. A writer killed with SIGKILL cannot remove its own: the next
+    writer into the folder, and the launcher after its ranks are gone, do.
+    """
+    folder = Path(folder)
+    want = Path(target) if target is not None else None
+    gone = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return gone
+    for e in entries:
+        m = _TEMP_RE.match(e.name)
+        if m is None or (want is not None and (m["stem"], m["ext"]) != (want.stem, want.suffix)):
+            continue
+        if int(m["pid"]) == os.getpid() or _pid_alive(int(m["pid"])):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(e.path)
+            gone.append(Path(e.path))
+    return gone
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, exts: tuple[str, ...], overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; move it into place on success, delete it on error."""
     p = _check_output(path, exts, overwrite)
+    sweep_temps(p.parent if str(p.parent) else ".", p)  # what a killed earlier writer of this output left
     tmp = _temp_name(p)
     try:
         try:

@@ -24,12 +24,14 @@ import hmac
 import json
 import os
 import re
+import stat
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, File, Form, HTTPException, Request, UploadFile
 from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .store import STATES, JobStore, new_id
 
@@ -125,6 +127,7 @@ def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
     metrics = Metrics(store)
     controller.metrics = metrics
     allowed = [os.path.realpath(d) for d in settings.allow_input]
+    mask = _masker(store.root, allowed)
     limit = int(settings.max_upload_mb * MiB)
     token = settings.token.encode() if settings.token else None
     input_exts = tuple(IMAGE_EXTS) + tuple(VIDEO_EXTS)
@@ -154,6 +157,12 @@ def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
                   redoc_url=None, openapi_url=None)
     app.state.controller, app.state.store, app.state.metrics = controller, store, metrics
 
+    @app.exception_handler(StarletteHTTPException)
+    async def masked(request: Request, exc: StarletteHTTPException):
+        """Every error body without the server's absolute paths (data dir and input folders)."""
+        detail = mask(exc.detail) if isinstance(exc.detail, str) else exc.detail
+        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
     @app.middleware("http")
     async def body_limit(request: Request, call_next):
         if request.method in ("POST", "PUT", "PATCH"):
@@ -177,6 +186,8 @@ def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
         job = store.get(job_id)
         if job is None:
             raise _bad(404, "no such job")
+        if job.get("error"):
+            job["error"] = mask(job["error"])
         return job
 
     def _resolve_named(path: str) -> str:
@@ -190,8 +201,31 @@ def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
             if not _inside(real, allowed):  # '..', an absolute path elsewhere, or a link leading out
                 raise _bad(403, "path: outside the allowed input folders")
             if os.path.exists(real):
+                _check_regular(real)
                 return real
         raise _bad(404, "path: no such file under the allowed input folders")
+
+    def _check_regular(real: str) -> None:
+        """Regular files, or folders whose frames are regular files inside the allowed folders, only.
+
+        A named pipe, socket or device would block the request thread on open
+        (until someone writes to it) or read without end.
+        """
+        st = os.stat(real)
+        if stat.S_ISREG(st.st_mode):
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            raise _bad(400, "path: not a regular file or a folder (pipes, sockets and devices are refused)")
+        with os.scandir(real) as it:
+            for entry in it:
+                if entry.name.startswith(".") or Path(entry.name).suffix.lower() not in input_exts:
+                    continue
+                inner = os.path.realpath(entry.path)
+                if not _inside(inner, allowed):
+                    raise _bad(403, f"path: {entry.name} in the folder leads outside the allowed input folders")
+                if not stat.S_ISREG(os.stat(inner).st_mode):
+                    raise _bad(400, f"path: {entry.name} in the folder is not a regular file "
+                                    f"(pipes, sockets and devices are refused)")
 
     def _save_upload(file: UploadFile, dest: Path) -> None:
         total = 0
@@ -245,7 +279,7 @@ def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
             except MemoryError as e:
                 raise _bad(422, _one(e)) from None
             except (ValueError, OSError) as e:
-                raise _bad(400, _one(e).replace(str(store.root), "<data>")) from None
+                raise _bad(400, _one(e)) from None
         except HTTPException:
             if owned:
                 Path(src).unlink(missing_ok=True)
@@ -261,7 +295,11 @@ def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
             raise _bad(400, f"state must be one of {', '.join(STATES)}")
         if not 1 <= limit <= 1000:
             raise _bad(400, "limit must be in 1..1000")
-        return {"jobs": store.list(state, limit)}
+        jobs = store.list(state, limit)
+        for j in jobs:
+            if j.get("error"):
+                j["error"] = mask(j["error"])
+        return {"jobs": jobs}
 
     @app.get("/v1/jobs/{job_id}")
     def job_status(job_id: str):
@@ -301,6 +339,23 @@ def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
         return Response(metrics.render(), media_type=metrics.content_type)
 
     return app
+
+
+def _masker(root: Path, allowed: list[str]):
+    """``mask(text)``: the data dir's paths as ``<data>``, the input folders' as ``<input>``."""
+    pairs = {}
+    for d in (os.path.abspath(root), os.path.realpath(root)):
+        pairs[d] = "<data>"
+    for d in allowed:
+        pairs[d] = "<input>"
+    order = sorted((k for k in pairs if k not in ("", ".", "/")), key=len, reverse=True)
+
+    def mask(text: str) -> str:
+        for k in order:
+            text = text.replace(k, pairs[k])
+        return text
+
+    return mask
 
 
 def _one(e: BaseException) -> str:

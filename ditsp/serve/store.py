@@ -2,23 +2,30 @@
 
 Layout of a data dir::
 
+    lock               held (flock) by the one server using the data dir; it names that server's pid
     jobs.sqlite        one row per job (WAL mode; every change is one committed transaction)
     uploads/<id><ext>  uploaded inputs (the client's file name is never used as a path)
     results/<id><ext>  restored outputs
 
 States: ``queued`` -> ``running`` -> ``done`` | ``failed`` | ``cancelled``.
 A job is accepted once its row is committed, so a server that stops loses
-none: on start, :meth:`JobStore.recover` puts ``running`` jobs back in the
-queue (they re-run from the start, into the same output path) and queued jobs
-wait their turn. Jobs are claimed in submission order by an idle group
+none: on start, :meth:`JobStore.recover` puts ``running`` jobs whose owner is
+gone back in the queue (they re-run from the start, into the same output path)
+and queued jobs wait their turn. One server per data dir: the store holds an
+exclusive lock on ``lock`` for its lifetime, so a second server is refused
+with a clear message instead of taking the first one's jobs. Jobs are claimed in submission order by an idle group
 (:meth:`claim_next`: pull-based).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import socket
 import sqlite3
+import stat
 import threading
 import time
 import uuid
@@ -46,6 +53,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     progress_total INTEGER NOT NULL DEFAULT 0,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     world_size INTEGER,
+    owner TEXT,
     report TEXT,
     error TEXT
 );
@@ -60,27 +68,92 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
+class DataDirError(ValueError):
+    """The data dir cannot be used (unsafe mode, another server holds it, not a folder)."""
+
+
+def prepare_dir(path: Path) -> None:
+    """Create ``path`` with mode 0700, or check an existing one; never change an existing folder's mode.
+
+    A folder others can write to is refused: they could swap the job database,
+    plant results or read uploads. ``uploads/`` and ``results/`` are created
+    0700 inside it.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700)
+        os.chmod(path, 0o700)  # mkdir's mode is masked by the umask; this folder is new and ours
+        return
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise DataDirError(f"--data-dir {path}: cannot create it ({e.strerror})") from None
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise DataDirError(f"--data-dir {path}: exists and is not a folder")
+    if st.st_uid != os.getuid():
+        raise DataDirError(f"--data-dir {path}: owned by another user (uid {st.st_uid}); use a folder of your own")
+    if st.st_mode & 0o022:
+        raise DataDirError(f"--data-dir {path}: is writable by its group or others (mode {stat.S_IMODE(st.st_mode):o});"
+                           f" use a new folder (created 0700) or chmod go-w it yourself")
+
+
+def _take_lock(root: Path) -> int:
+    """An exclusive, non-blocking flock on ``root/lock``; it holds the owner's pid. Released when the fd closes."""
+    fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        try:
+            other = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        finally:
+            os.close(fd)
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            raise DataDirError(f"--data-dir {root}: in use by another ditsp serve ({other}); "
+                               f"one server per data dir (stop it, or give this one another --data-dir)") from None
+        raise DataDirError(f"--data-dir {root}: cannot lock it ({e.strerror})") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
+
+
 class JobStore:
     """The job table of one data dir (thread-safe: one connection behind a lock)."""
 
     def __init__(self, data_dir: str | os.PathLike):
-        self.root = Path(data_dir)
+        self.root = Path(os.path.abspath(data_dir))
         self.uploads = self.root / "uploads"
         self.results = self.root / "results"
-        for d in (self.root, self.uploads, self.results):
-            d.mkdir(parents=True, exist_ok=True)
-            os.chmod(d, 0o700)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.root / "jobs.sqlite", check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(_SCHEMA)
+        prepare_dir(self.root)
+        self._lock_fd = _take_lock(self.root)
+        try:
+            for d in (self.uploads, self.results):
+                prepare_dir(d)
+            from ..io.video import sweep_temps
+
+            sweep_temps(self.results)  # half-written results of a server that was killed
+            # this server's name in the rows it claims: a restart re-queues only jobs of owners that are gone
+            self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+            self._lock = threading.Lock()
+            self._db = sqlite3.connect(self.root / "jobs.sqlite", check_same_thread=False, isolation_level=None)
+            self._db.row_factory = sqlite3.Row
+            with self._lock:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=FULL")
+                self._db.executescript(_SCHEMA)
+                cols = {r[1] for r in self._db.execute("PRAGMA table_info(jobs)")}
+                if "owner" not in cols:  # a data dir from before owners were recorded
+                    self._db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT")
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _exec(self, sql: str, args=()) -> list[sqlite3.Row]:
         with self._lock:
@@ -97,9 +170,14 @@ class JobStore:
              time.time()))
 
     def recover(self) -> int:
-        """Put jobs a stopped server left running back in the queue; returns how many."""
+        """Put jobs a stopped server left running back in the queue; returns how many.
+
+        Only jobs of other owners: this store holds the data dir's lock, so
+        their server is gone (a live one would still hold it).
+        """
         with self._lock:
-            cur = self._db.execute("UPDATE jobs SET state='queued', progress_done=0 WHERE state='running'")
+            cur = self._db.execute("UPDATE jobs SET state='queued', progress_done=0, owner=NULL "
+                                   "WHERE state='running' AND (owner IS NULL OR owner != ?)", (self.owner,))
             return cur.rowcount
 
     def claim_next(self) -> dict | None:
@@ -111,8 +189,8 @@ class JobStore:
                 if row is None:
                     self._db.execute("COMMIT")
                     return None
-                self._db.execute("UPDATE jobs SET state='running', started=?, attempts=attempts+1, progress_done=0 "
-                                 "WHERE id=?", (time.time(), row["id"]))
+                self._db.execute("UPDATE jobs SET state='running', started=?, attempts=attempts+1, progress_done=0, "
+                                 "owner=? WHERE id=?", (time.time(), self.owner, row["id"]))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..dist.launcher import LOOPBACK, _loopback_ifname, die_with_parent
+from ..dist.launcher import LOOPBACK, _loopback_ifname, die_with_parent, error_line
 
 STORE_PREFIX = "ditsp-gen"
 
@@ -232,8 +232,12 @@ class _Group:
 
 
 def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, answers, progress,
-                 parent_pid: int) -> None:
+                 parent_pid: int, beats=None) -> None:
     die_with_parent(parent_pid)
+    if beats is not None:
+        from ..dist.heartbeat import install
+
+        install(beats, 0)  # collectives and pipeline stages bump it: the server's stuck-worker check
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     ifname = _loopback_ifname()
     if ifname:
@@ -283,7 +287,7 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
             group.drop()
             group.world = 1
             tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-            answers.send((cmd_id, False, f"{type(e).__name__}: {e}\n{tb}"))
+            answers.send((cmd_id, False, f"{error_line(e)}\n{tb}"))
     group.drop()
 
 
@@ -300,9 +304,10 @@ class Worker:
         reader, writer = ctx.Pipe(duplex=False)
         self.answers = reader
         self.progress = ctx.Array("l", 2, lock=False)
+        self.beats = ctx.Array("Q", 1, lock=False)
         self.proc = ctx.Process(target=_worker_main, name=f"ditsp-serve-worker-{index}", daemon=True,
                                 args=(index, port, timeout_s, threads, self.tasks, writer, self.progress,
-                                      os.getpid()))
+                                      os.getpid(), self.beats))
         self.proc.start()
         writer.close()
         self.ready = False
@@ -351,18 +356,27 @@ def call(workers: list[Worker], name: str, payloads: list[dict], timeout_s: floa
     Returns ``(results, errors, dead)``: answers by worker index, error texts
     by worker index, and the workers that died meanwhile. Once a worker dies or
     fails, the others get a short grace to answer (a survivor blocked in a
-    collective with the dead one fails soon after). ``on_wait()`` is called
-    about twice a second while waiting (progress, cancellation).
+    collective with the dead one fails soon after). ``timeout_s`` is a
+    stuck-worker check: a worker that has answered nothing and whose heartbeat
+    (collectives, pipeline stages) has not moved for that long is stuck; a long
+    job that progresses is not. ``on_wait()`` is called about twice a second
+    while waiting (progress, cancellation).
     """
     ids = {w.index: w.send(name, p) for w, p in zip(workers, payloads)}
     results: dict = {}
     errors: dict = {}
     dead: list[Worker] = []
-    deadline = time.monotonic() + timeout_s
     grace = None
     pending = {w.index: w for w in workers}
+    start = time.monotonic()
+    seen = {w.index: w.beats[0] for w in workers}
+    moved = {w.index: start for w in workers}
     while pending:
         now = time.monotonic()
+        for w in pending.values():
+            if w.beats[0] != seen[w.index]:
+                seen[w.index], moved[w.index] = w.beats[0], now
+        deadline = min(moved[i] for i in pending) + timeout_s
         limit = deadline if grace is None else min(deadline, grace)
         if now >= limit:
             break
@@ -395,5 +409,5 @@ def call(workers: list[Worker], name: str, payloads: list[dict], timeout_s: floa
         if on_wait is not None:
             on_wait()
     for idx, w in pending.items():
-        errors[idx] = f"worker {idx} did not answer {name!r} in time"
+        errors[idx] = f"worker {idx} did not answer {name!r} in time (no progress for {timeout_s:g} s)"
     return results, errors, dead

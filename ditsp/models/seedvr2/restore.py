@@ -31,6 +31,7 @@ import torch
 
 from ...config import ParallelConfig
 from ...dist.comm import Comm, CommStats
+from ...dist.heartbeat import beat
 from ...fixed_shape import shapes_for
 from ...fixed_shape import use as use_kernel_shapes
 from ...memory import PeakMemory
@@ -133,6 +134,7 @@ class _Stages:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         b = time.perf_counter()
+        beat()  # a stage ended: the launcher's stuck-rank check sees progress
         self.time[stage] += b - a
         self.peak[stage] = max(self.peak[stage], self.mem.peak_added())
         self.timeline.append((stage, window, a - self.t0, b - self.t0))

@@ -70,7 +70,7 @@ def load(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2:
         with torch.device("meta"):
             vae = VideoVAE(vae_cfg)
         vae = vae.to_empty(device="cpu")
-        load_checkpoint(vae, spec.vae, dtype=torch.float32)
+        _load_vae(vae, spec.vae)
     else:
         vae = seeded_vae(vae_cfg, spec.seed + 7)
     vae = vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
@@ -83,6 +83,19 @@ def load(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2:
         text = torch.randn(cfg.txt_len, cfg.txt_in_dim, generator=torch.Generator().manual_seed(spec.seed + 11))
     _CACHE[key] = SeedVR2(spec, dit, vae, text.to(device))
     return _CACHE[key]
+
+
+def _load_vae(vae, path: str) -> None:
+    """The VAE checkpoint into ``vae``; an unreadable file is one line (never torch's advice to load unsafely)."""
+    from .nadit.checkpoint import CheckpointError, _first_line
+    from .vae import CheckpointError as VAECheckpointError
+
+    try:
+        load_checkpoint(vae, path, dtype=torch.float32)
+    except (CheckpointError, VAECheckpointError):
+        raise
+    except Exception as e:  # noqa: BLE001 - a pickle payload, a truncated file, a wrong format
+        raise CheckpointError(f"{path}: unreadable VAE checkpoint ({_first_line(e)})") from None
 
 
 def cached(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2 | None:
