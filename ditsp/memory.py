@@ -65,6 +65,28 @@ def available_bytes(ranks_here: int, device: torch.device | None = None) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")) // max(1, ranks_here)
 
 
+RANK_BASE_BYTES = 300 * 2**20  # a spawned rank: Python, torch and ditsp imported (measured ~280 MiB on CPU)
+RANKS_PER_CORE_LIMIT = 8  # past this many local ranks per core, commands refuse unless --force
+
+
+def local_rank_limit() -> int:
+    """The most local ranks this machine can hold: each spawned rank's own process in the available RAM."""
+    return max(1, available_bytes(1) // RANK_BASE_BYTES)
+
+
+def check_local_ranks(n: int, what: str = "--sp") -> None:
+    """ValueError (one line naming the rank count) when ``n`` local ranks cannot fit, before any is started.
+
+    A hard bound: ``--force`` overrides estimates, not this (the ranks' processes alone would not fit).
+    """
+    limit = local_rank_limit()
+    if n > 1 and n > limit:
+        raise ValueError(f"{what} {n}: {n} local ranks need about {n * RANK_BASE_BYTES / 2**30:.1f} GiB for their "
+                         f"processes alone ({RANK_BASE_BYTES // 2**20} MiB each); this machine has "
+                         f"{available_bytes(1) / 2**30:.1f} GiB available, room for at most {limit} ranks "
+                         f"(--force does not override this)")
+
+
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 

@@ -16,13 +16,12 @@ import sys
 from dataclasses import dataclass
 
 from ..engine import DTYPES
+from ..memory import RANK_BASE_BYTES, RANKS_PER_CORE_LIMIT
 from ..models.seedvr2.nadit.config import PRESETS
 from .common import (add_deterministic_arg, add_plan_limit_args, add_request_args, check_layers, check_plan_size, check_planner,
                      nonneg_int, positive_float, positive_int, resolve_grid)
 
 GiB = 2**30
-RANK_BASE_BYTES = 300 * 2**20  # a spawned rank: Python, torch and ditsp imported (measured ~280 MiB on CPU)
-RANKS_PER_CORE_LIMIT = 8  # past this many local ranks per core, refuse (without --force)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -101,6 +100,13 @@ def check_resources(parser: argparse.ArgumentParser, args: argparse.Namespace, c
     est = estimate_rank_memory(cfg, args.dtype, grid, args.sp, args.checkpoint, plan_bytes, spawned, args.check)
     cores = os.cpu_count() or 1
     if args.force:
+        if spawned:
+            from ..memory import check_local_ranks
+
+            try:
+                check_local_ranks(local)  # even with --force: the ranks' processes would not fit
+            except ValueError as e:
+                parser.error(str(e))
         return
     if args.max_memory:
         budget, source = int(args.max_memory * GiB), "--max-memory"

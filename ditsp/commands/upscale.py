@@ -96,6 +96,10 @@ def build_request(args):
 
     if args.sp < 1:
         raise ValueError(f"--sp must be >= 1, got {args.sp}")
+    if "WORLD_SIZE" not in os.environ:  # local ranks, spawned here: bounded even with --force
+        from ..memory import check_local_ranks
+
+        check_local_ranks(args.sp)
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.timeout <= 0:

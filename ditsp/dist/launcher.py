@@ -205,7 +205,7 @@ def error_line(e: BaseException, limit: int = 600) -> str:
 
 
 def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, tasks, answers,
-            parent_pid: int | None = None, stack_path: str | None = None, beats=None) -> None:
+            parent_pid: int | None = None, stack_path: str | None = None, beats=None, started=None) -> None:
     if parent_pid is not None:
         die_with_parent(parent_pid)
     results = _Answers(rank, answers)
@@ -240,13 +240,15 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, ta
             if timer:  # no SIGUSR1 here: dump just before the parent's deadline instead
                 faulthandler.dump_traceback_later(max(0.1, call_timeout - 1.0), file=fh)
         try:
-            fn, args, kwargs = ForkingPickler.loads(blob)
+            fn, args, kwargs = ForkingPickler.loads(blob)  # may import the function's module: seconds
         except BaseException as e:  # noqa: BLE001
             if timer:
                 faulthandler.cancel_dump_traceback_later()
             msg = f"cannot unpickle the call on rank {rank}: {type(e).__name__}: {e}\n{_format_exc(e)}"
             results.put((rank, call_id, False, msg))
             continue
+        if started is not None:
+            started[rank] = call_id  # the stuck-rank check starts now, not while the call was imported
         try:
             out = fn(ctx, *args, **kwargs)
         except BaseException as e:  # noqa: BLE001
@@ -296,6 +298,9 @@ class LocalCluster:
             raise ValueError(f"threads must be an integer >= 1 (compute threads per rank), got {threads!r}")
         if not timeout_s or timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        from ..memory import check_local_ranks
+
+        check_local_ranks(world_size, "world_size")  # before any process is spawned
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.threads = threads
@@ -323,11 +328,12 @@ class LocalCluster:
         port = self._addr[1]
         self._stack_dir = tempfile.mkdtemp(prefix="ditsp-ranks-")
         self._beats = ctx.Array("Q", self.world_size, lock=False)  # each rank's progress counter
+        self._started = ctx.Array("q", self.world_size, lock=False)  # the call each rank has unpickled
         self._procs = [
             ctx.Process(
                 target=_worker,
                 args=(r, self.world_size, port, self.timeout_s, self.threads, self._tasks[r], pipes[r][1],
-                      os.getpid(), self._stack_path(r), self._beats),
+                      os.getpid(), self._stack_path(r), self._beats, self._started),
                 daemon=True,
                 name=f"ditsp-rank-{r}",
             )
@@ -401,9 +407,11 @@ class LocalCluster:
         while len(out) + len(errors) < self.world_size:
             now = time.monotonic()
             pending = [r for r in range(self.world_size) if r not in out and r not in errors]
-            if idle:
+            if idle:  # a rank still importing the call gets the start-up allowance, then the idle check
                 for r in pending:
-                    if self._beats[r] != seen[r]:
+                    if self._started[r] != call_id:
+                        moved[r] = max(moved[r], start + max(_START_S, timeout_s) - timeout_s)
+                    elif self._beats[r] != seen[r] or moved[r] > now:
                         seen[r], moved[r] = self._beats[r], now
                 deadline = min(moved[r] for r in pending) + timeout_s
             limit = deadline if grace is None else min(deadline, grace)

@@ -177,6 +177,32 @@ def check_nadit(directory: str | os.PathLike, degrees: Sequence[int] = (1, 2, 3)
 CHECKERS: dict[str, Callable[..., dict]] = {"nadit": check_nadit}
 
 
+def estimate_bytes(directory: str | os.PathLike) -> int:
+    """Bytes one process needs to check the set: the model ``config.json`` describes (built on the meta
+    device, so nothing is allocated) twice (the model and the file's tensors while loading), plus the io file."""
+    directory = os.fspath(directory)
+    kind = detect_kind(read_config(directory))
+    with torch.device("meta"):
+        if kind == "nadit":
+            from .nadit import NaDiT
+
+            model = NaDiT(nadit_config(read_config(directory), Path(directory).name))
+        elif kind == "vae":
+            from .vae.config import VaeConfig
+            from .vae.model import VideoVAE
+
+            try:
+                model = VideoVAE(VaeConfig.from_json(Path(directory) / "config.json"))
+            except (KeyError, TypeError, ValueError) as e:
+                raise VectorSetError(f"{directory}: config.json does not describe a VAE "
+                                     f"({type(e).__name__}: {e})") from None
+        else:
+            model = None
+    params = sum(p.numel() * 4 for p in model.parameters()) if model is not None else 0
+    files = sum(f.stat().st_size for f in Path(directory).glob("*.safetensors"))
+    return 2 * params + files
+
+
 def verify_vectors(directory: str | os.PathLike, degrees: Sequence[int] = (1, 2, 3),
                    cluster_factory: ClusterFactory | None = None) -> dict:
     """Check the reference vector set in ``directory`` at each SP degree (1: one device).
