@@ -265,3 +265,27 @@ def test_a_malformed_vector_set_is_one_line(tmp_path, capsys):
     save_file(io, str(d / "io.safetensors"))
     err = _err(capsys, ["verify", str(d), "--sp", "1"], rc=1)
     assert err.startswith(f"ditsp verify: error: {d}: malformed vector set: "), err
+
+
+# -- item 7: the same frames give the same file ------------------------------------------------------------
+
+_WRITE = """
+import sys, torch
+from ditsp.io.video import write_video
+g = torch.Generator().manual_seed(0)
+write_video(sys.argv[1], torch.randint(0, 255, (9, 32, 32, 3), dtype=torch.uint8, generator=g), 12, overwrite=True)
+"""
+
+
+def test_the_encoder_is_pinned_and_files_reproduce(tmp_path):
+    from ditsp.io.video import VideoWriter
+
+    w = VideoWriter(tmp_path / "a.mp4", 12)
+    w.write(torch.zeros(1, 32, 32, 3, dtype=torch.uint8))
+    assert w._stream.codec_context.thread_count == 1  # not the machine-dependent automatic count
+    w.close()
+    outs = [tmp_path / f"{i}.mp4" for i in range(2)]
+    for i, out in enumerate(outs):  # separate processes, the second with more threads allowed
+        env = dict(os.environ, OMP_NUM_THREADS=str(1 + 3 * i))
+        subprocess.run([sys.executable, "-c", _WRITE, str(out)], check=True, env=env, timeout=60)
+    assert outs[0].read_bytes() == outs[1].read_bytes()

@@ -641,11 +641,16 @@ class VideoWriter:
             raise _fail(f"{self.path}: {width}x{height} frames cannot be stored as yuv420p (sides must be even)")
         s = self._out.add_stream(self.codec, rate=self.rate)
         s.width, s.height, s.pix_fmt = width, height, "yuv420p"
+        # One encoder thread, set explicitly: the same frames give the same file bytes on any machine and
+        # load (the encoder's automatic thread count follows the CPUs, and its threaded rate control is
+        # where runs could differ). Encoding is a small part of a restore's time.
         if self.codec in ("libx264", "h264", "libx265"):
-            s.options = {"crf": str(self.crf), "preset": self.preset}
+            s.options = {"crf": str(self.crf), "preset": self.preset, "threads": "1"}
         else:  # mpeg4 and others: a fixed quantiser roughly matching the crf scale
             q = str(max(2, min(31, round(2 + self.crf * 29 / 51))))
             s.options = {"qmin": q, "qmax": q}
+        s.codec_context.thread_count = 1
+        s.codec_context.thread_type = "NONE"
         s.codec_context.time_base = 1 / self.rate
         self._stream = s
 
