@@ -289,3 +289,24 @@ def test_the_encoder_is_pinned_and_files_reproduce(tmp_path):
         env = dict(os.environ, OMP_NUM_THREADS=str(1 + 3 * i))
         subprocess.run([sys.executable, "-c", _WRITE, str(out)], check=True, env=env, timeout=60)
     assert outs[0].read_bytes() == outs[1].read_bytes()
+
+
+# -- item 13: every input checked up front ------------------------------------------------------------------
+
+
+def test_a_frame_folder_with_one_odd_frame_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    import ditsp.engine
+
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for i in range(9):
+        size = (48, 32, 3) if i == 7 else (32, 32, 3)
+        write_image(folder / f"f{i:02d}.png", torch.full(size, 20 * i, dtype=torch.uint8))
+
+    def boom(*a, **k):
+        raise AssertionError("ranks started before the input was checked")
+
+    monkeypatch.setattr(ditsp.engine, "dispatch", boom)
+    err = _err(capsys, ["upscale", str(folder), "-o", str(tmp_path / "o.mp4"), "--resolution", "32x32",
+                        "--window-frames", "5", "--overlap", "1", "--no-progress"])
+    assert "f07.png: is 32x48 but the first frame is 32x32" in err, err  # W x H

@@ -264,8 +264,22 @@ def probe(path: str | os.PathLike) -> VideoInfo:
                          "image")
     files = list_frames(p)
     first = read_image(files[0])
+    _check_folder_sizes(files, (first.shape[-1], first.shape[-2]))
     return VideoInfo(p, first.shape[-1], first.shape[-2], 0.0, Fraction(0), len(files), False, "images", None,
                      "folder")
+
+
+def _check_folder_sizes(files: list[Path], size: tuple[int, int]) -> None:
+    """Every frame of a folder has the first one's size: read from the file headers (no decoding), so a
+    frame of another size is refused before any work, not after earlier windows were computed."""
+    for f in files[1:]:
+        try:
+            with Image.open(f) as im:
+                got = im.size
+        except (OSError, ValueError) as e:
+            raise _fail(f"{f}: not a readable image ({e})") from None
+        if got != size:
+            raise _fail(f"{f}: is {got[0]}x{got[1]} but the first frame is {size[0]}x{size[1]}")
 
 
 def count_frames(path: str | os.PathLike) -> int:
