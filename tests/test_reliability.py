@@ -310,3 +310,91 @@ def test_a_frame_folder_with_one_odd_frame_is_refused_before_any_work(tmp_path, 
     err = _err(capsys, ["upscale", str(folder), "-o", str(tmp_path / "o.mp4"), "--resolution", "32x32",
                         "--window-frames", "5", "--overlap", "1", "--no-progress"])
     assert "f07.png: is 32x48 but the first frame is 32x32" in err, err  # W x H
+
+
+# -- item 6: media fidelity (rotation, variable frame rate, GIF timing, 16-bit images) ----------------------
+
+
+def _write_clip(path, frames, times=None, rate=12, rotation=None, codec="libx264", pix_fmt="yuv420p"):
+    """Frames (n, H, W, 3) uint8 written with PyAV: at ``times`` (seconds) if given, else at ``rate``."""
+    import av
+    from fractions import Fraction
+
+    tb = Fraction(1, 1000) if times is not None else Fraction(1, rate)
+    with av.open(str(path), "w") as c:
+        s = c.add_stream(codec, rate=rate)
+        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], pix_fmt
+        s.codec_context.time_base = tb
+        if rotation is not None:
+            s.set_display_rotation(rotation)
+        for i, a in enumerate(frames):
+            f = av.VideoFrame.from_ndarray(a.numpy(), format="rgb24")
+            f.pts = round(times[i] * 1000) if times is not None else i
+            f.time_base = tb
+            for p in s.encode(f):
+                c.mux(p)
+        for p in s.encode(None):
+            c.mux(p)
+    return str(path)
+
+
+def _corner_frames(n=5, h=32, w=48):
+    x = torch.zeros(n, h, w, 3, dtype=torch.uint8)
+    x[:, :12, :12] = 255  # a bright top-left corner: where it lands shows the orientation
+    return x
+
+
+def test_rotation_is_applied(tmp_path, capsys):
+    from ditsp.io.video import VideoReader, probe
+
+    src = _write_clip(tmp_path / "rot.mp4", _corner_frames(), rotation=90)
+    with VideoReader(src) as r:
+        assert r.info.size == (32, 48) and r.info.rotation == 90  # portrait, as it is meant to be shown
+        first = next(iter(r))[0].float().mean(0)  # (H, W)
+    want = torch.rot90(_corner_frames()[0].float().mean(-1), 1, dims=(0, 1))  # 90 degrees counter-clockwise
+    assert (first - want).abs().mean() < 8
+    out = tmp_path / "o.mp4"
+    assert main(["upscale", src, "-o", str(out), "--scale", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert probe(out).size == (32, 48) and any("rotation 90" in m for m in report["media_notes"])
+
+
+def test_variable_frame_rate_keeps_each_frames_time(tmp_path, capsys):
+    from ditsp.io.video import frame_times
+
+    times = [0.0, 0.05, 0.1, 0.15, 0.2, 0.6, 0.65, 0.7, 1.2, 1.25, 1.3, 1.35, 1.4]
+    src = _write_clip(tmp_path / "vfr.mp4", _corner_frames(len(times), 32, 32), times=times, rate=20)
+    assert frame_times(src) == pytest.approx(times, abs=1e-3)
+    out = tmp_path / "o.mp4"
+    assert main(["upscale", src, "-o", str(out), "--resolution", "32x32", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert frame_times(out) == pytest.approx(times, abs=2e-3)  # before: re-timed to a constant rate
+    assert any("each frame's time kept" in m for m in report["media_notes"])
+
+
+def test_a_gif_keeps_its_frame_delays(tmp_path):
+    from ditsp.io.video import frame_times, probe
+
+    frames = torch.arange(24, dtype=torch.uint8).mul(10).view(24, 1, 1, 1).expand(24, 32, 32, 3).contiguous()
+    src = _write_clip(tmp_path / "in.gif", frames, rate=24, codec="gif", pix_fmt="rgb8")
+    gif_times = frame_times(src)
+    assert gif_times is not None  # centisecond delays: 4 and 5, a mean of 24 fps (the container says 25)
+    out = tmp_path / "o.mp4"
+    assert main(["upscale", src, "-o", str(out), "--resolution", "32x32", "--no-progress"]) == 0
+    assert frame_times(out) == pytest.approx(gif_times, abs=2e-3)
+    assert probe(out).frames == 24
+
+
+def test_a_16_bit_grey_png_is_read_by_its_range(tmp_path):
+    from PIL import Image
+
+    from ditsp.io.video import read_image
+
+    import numpy as np
+
+    ramp = np.linspace(0, 65535, 240 * 32).round().reshape(32, 240).astype("uint16")
+    Image.fromarray(ramp).save(tmp_path / "g16.png")  # uint16: a 16-bit greyscale PNG
+    got = read_image(tmp_path / "g16.png")
+    assert got.shape == (1, 3, 32, 240) and int(got.max()) == 255 and int(got.min()) == 0
+    assert len(torch.unique(got)) > 200  # before: clipped at 255, 14 distinct values
+    assert (got.float().mean() - 127.5).abs() < 3

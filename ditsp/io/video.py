@@ -144,6 +144,7 @@ class VideoInfo:
     video_codec: str
     audio_codec: str | None
     kind: str = "video"  # "video", "image" or "folder"
+    rotation: int = 0  # degrees counter-clockwise the display matrix asked for; applied to the frames read
 
     @property
     def size(self) -> tuple[int, int]:
@@ -186,10 +187,11 @@ class VideoReader:
             stream.thread_type = "AUTO"
             audio = self._container.streams.audio
             self._frames_iter = self._container.decode(stream)
+            self._rot = None  # quarter turns, from the first frame's display matrix
             self._first = self._decode_next(p)
             if self._first is None:
                 raise _fail(f"{p}: has no frames")
-            h, w = self._first.shape[-2:]
+            h, w = self._first.shape[-2:]  # after the rotation: the frames as they are meant to be shown
             _check_size(p, w, h)
             rate = stream.average_rate or stream.guessed_rate or stream.base_rate
             rate = Fraction(rate) if rate else Fraction(0)
@@ -206,6 +208,7 @@ class VideoReader:
                 has_audio=bool(audio),
                 video_codec=stream.codec_context.name,
                 audio_codec=audio[0].codec_context.name if audio else None,
+                rotation=(self._rot or 0) * 90,
             )
         except BaseException:
             self._container.close()
@@ -218,8 +221,13 @@ class VideoReader:
             return None
         except av.error.FFmpegError as e:
             raise _fail(f"{p}: decoding failed ({type(e).__name__}: {e})") from None
+        if self._rot is None:  # the first frame: its display matrix
+            self._rot = _quarter_turns(getattr(frame, "rotation", 0) or 0)
         arr = frame.to_ndarray(format="rgb24")
-        return torch.from_numpy(arr).permute(2, 0, 1)
+        t = torch.from_numpy(arr).permute(2, 0, 1)
+        if self._rot:  # apply the display rotation (counter-clockwise), so the output plays upright
+            t = torch.rot90(t, self._rot, dims=(1, 2)).contiguous()
+        return t
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         p = self.info.path
@@ -249,6 +257,36 @@ class VideoReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _quarter_turns(degrees: float) -> int:
+    """A display rotation as counter-clockwise quarter turns (0..3); angles between are rounded."""
+    return int(round(float(degrees) / 90.0)) % 4
+
+
+def frame_times(path: str | os.PathLike, rate: Fraction | float | None = None) -> list[float] | None:
+    """Each frame's presentation time in seconds from the first, when the video's frame rate varies
+    (variable frame rate, a GIF's per-frame delays); None when every frame lasts ``1/rate``.
+
+    Read from the packets (no decoding). A writer given these times keeps them, so frames stay in step
+    with the copied audio instead of being re-timed to a constant rate.
+    """
+    p = _check_input(path)
+    with _open_container(p) as c:
+        stream = c.streams.video[0]
+        tb = stream.time_base
+        pts = sorted(pkt.pts for pkt in c.demux(stream) if pkt.pts is not None)
+    if len(pts) < 2 or tb is None:
+        return None
+    times = [float((x - pts[0]) * tb) for x in pts]
+    gaps = np.diff(times)
+    if rate:
+        step = 1.0 / float(rate)
+        if np.all(np.abs(gaps - step) <= 0.01 * step + 1e-4):
+            return None
+    elif np.ptp(gaps) <= 1e-4:
+        return None
+    return times
 
 
 def probe(path: str | os.PathLike) -> VideoInfo:
@@ -316,12 +354,23 @@ def read_image(path: str | os.PathLike) -> torch.Tensor:
     try:
         with Image.open(p) as im:
             im.load()
+            if im.mode.startswith("I"):  # 16-bit (or 32-bit int) greyscale: scale by its range, not clip at 255
+                arr = _grey_to_u8(np.asarray(im), im.mode)
+                _check_size(p, arr.shape[1], arr.shape[0])
+                return torch.from_numpy(np.repeat(arr[None], 3, axis=0).copy()).unsqueeze(0)
             rgb = im.convert("RGB")
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise _fail(f"{p}: not a readable image ({type(e).__name__}: {e})") from None
     _check_size(p, rgb.width, rgb.height)
     arr = np.asarray(rgb, dtype=np.uint8)
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).unsqueeze(0)
+
+
+def _grey_to_u8(arr: np.ndarray, mode: str) -> np.ndarray:
+    """Integer greyscale to uint8 by the format's range: 16 bits (PNG's ``I;16``/``I``) unless values exceed it."""
+    a = arr.astype(np.float64)
+    top = 65535.0 if a.max(initial=0) <= 65535 else float(a.max())
+    return np.clip(np.round(a * (255.0 / top)), 0, 255).astype(np.uint8)
 
 
 def list_frames(folder: str | os.PathLike) -> list[Path]:
@@ -516,6 +565,9 @@ def _thwc_chunk(frames: torch.Tensor | np.ndarray) -> np.ndarray:
     return x
 
 
+_VFR_TICKS = 90000  # the time base of frames written at their own times (the MPEG clock)
+
+
 class VideoWriter:
     """Write uint8 frames to an MP4 (or MOV) file, atomically, optionally with another file's audio.
 
@@ -539,11 +591,14 @@ class VideoWriter:
         preset: str = "medium",
         audio_from: str | os.PathLike | None = None,
         overwrite: bool = False,
+        times: list[float] | None = None,
     ):
         if not 0 <= crf <= 51:
             raise ValueError(f"crf must be in [0, 51], got {crf}")
         self.path = Path(path)
         self.rate = _to_fraction(fps)
+        # each frame's time (seconds from the first; a variable frame rate kept as it was), else i / fps
+        self.times = [float(t) for t in times] if times else None
         self.crf = crf
         self.codec = codec or video_encoder()
         self.preset = preset
@@ -665,7 +720,7 @@ class VideoWriter:
             s.options = {"qmin": q, "qmax": q}
         s.codec_context.thread_count = 1
         s.codec_context.thread_type = "NONE"
-        s.codec_context.time_base = 1 / self.rate
+        s.codec_context.time_base = 1 / self.rate if self.times is None else Fraction(1, _VFR_TICKS)
         self._stream = s
 
     def write(self, frames: torch.Tensor | np.ndarray) -> None:
@@ -681,8 +736,12 @@ class VideoWriter:
                 )
             for arr in x:
                 vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(arr), format="rgb24")
-                vf.pts = self.frames_written
-                vf.time_base = 1 / self.rate
+                if self.times is None:
+                    vf.pts = self.frames_written
+                    vf.time_base = 1 / self.rate
+                else:
+                    vf.pts = round(self._time_of(self.frames_written) * _VFR_TICKS)
+                    vf.time_base = Fraction(1, _VFR_TICKS)
                 for pkt in self._stream.encode(vf):
                     self._out.mux(pkt)
                 self.frames_written += 1
@@ -691,8 +750,18 @@ class VideoWriter:
             self._abort(e)
             raise
 
+    def _time_of(self, i: int) -> float:
+        """Frame ``i``'s time; past the given times, the last gap repeats (the mean frame time for one)."""
+        t = self.times
+        if i < len(t):
+            return t[i]
+        gap = t[-1] - t[-2] if len(t) > 1 else float(1 / self.rate)
+        return t[-1] + (i - len(t) + 1) * gap
+
     @property
     def duration(self) -> float:
+        if self.times is not None:
+            return self._time_of(self.frames_written)  # the next frame's start: where this one ends
         return float(self.frames_written / self.rate)
 
     def close(self) -> Path:

@@ -199,12 +199,14 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
     written = 0
     samples_in, samples_out = [], []
     vae_reports, dit_report = set(), ""
+    media_notes = [f"rotation {info.rotation} degrees (display matrix) applied to the frames"] if info.rotation else []
     frames = _Frames(chunks)
     bar = tqdm(total=len(plan) * 4, desc="upscale", unit="step", disable=not (rank0 and req.progress), leave=False)
     try:
         if rank0 and not is_image:
             fps = req.fps or info.rate or info.fps or DEFAULT_FPS
-            writer = VideoWriter(req.output, fps, crf=req.crf,
+            times = _input_times(req, info, frames_total, media_notes)
+            writer = VideoWriter(req.output, fps, crf=req.crf, times=times,
                                  audio_from=req.input if info.has_audio else None, overwrite=req.overwrite)
         for win in plan:
             bar.set_postfix_str(f"window {win.index + 1}/{len(plan)} read+encode")
@@ -270,7 +272,7 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
             "input": req.input, "output": req.output, "request": asdict(req),
             "frames": frames_total, "frames_written": written, "fps": info.fps, "audio": info.has_audio,
             "geometry": geo.describe(), "output_size": [geo.out_width, geo.out_height],
-            "windows": [[w.start, w.stop] for w in plan], "dit_path": dit_report,
+            "windows": [[w.start, w.stop] for w in plan], "dit_path": dit_report, "media_notes": media_notes,
             "vae_modes": sorted(vae_reports), "sha256": digest.hexdigest(), "timeline": st.timeline,
             "seams": seam_metric_from_steps(steps, plan.seam_transitions()) if len(plan) > 1 and steps else None,
             "samples": (torch.stack(samples_in), torch.stack(samples_out)) if samples_out else None,
@@ -279,6 +281,26 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
 
 
 SLAB_MODES = ("height", "height+chunks")
+
+
+def _input_times(req: UpscaleRequest, info, frames: int, notes: list[str]) -> list[float] | None:
+    """The input's frame times when its frame rate varies (kept in the output), else None; says which."""
+    if info.kind != "video":
+        return None
+    from ...io.video import frame_times
+
+    times = frame_times(req.input, info.rate)
+    if times is None:
+        return None
+    if req.fps:
+        notes.append(f"variable frame rate re-timed to the --fps {req.fps:g} asked for")
+        return None
+    if len(times) != frames:
+        notes.append(f"variable frame rate: {len(times)} timestamps for {frames} frames, so re-timed to "
+                     f"{float(info.rate or DEFAULT_FPS):g} fps")
+        return None
+    notes.append(f"variable frame rate: each frame's time kept ({len(times)} frames over {times[-1]:.3f} s)")
+    return times
 
 
 def _runtime(runtimes: dict, ctx, dit, grid, planner: str | None, deterministic: bool):
@@ -396,6 +418,7 @@ def format_report(s: dict) -> str:
         f"DiT: {s['dit_path']}",
         f"kernel calls: {s.get('kernel_shapes', 'deterministic')}",
         *(f"{m}" for m in s["vae_modes"]),
+        *(f"input: {m}" for m in s.get("media_notes") or ()),
         f"{'stage':<11} {'time s':>8} {'share':>6} {'peak MiB (max rank)':>20}",
     ]
     for k in STAGES:
