@@ -121,6 +121,7 @@ def test_submit_poll_fetch(server, clips):
         j = wait_job(c, job_id)
         assert j["state"] == "done" and j["progress"] == 1.0 and j["world_size"] == 2, j
         assert j["report"]["sha256"] == clips["short_sha"]  # SP=2 on the server == one device
+        assert not [n for n in os.listdir(server.data / "uploads") if n.startswith(job_id)]  # a done job's upload goes
         r = c.get(f"/v1/jobs/{job_id}/result")
         assert r.status_code == 200 and len(r.content) > 0
         out = server.data / "fetched.mp4"

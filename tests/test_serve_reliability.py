@@ -172,3 +172,67 @@ def test_error_bodies_do_not_show_server_paths(tmp_path, allowed):
         for body in bodies:
             assert str(tmp_path) not in body and os.path.realpath(tmp_path) not in body, body
         assert "<data>" in bodies[0]
+
+
+# -- item 16: retention and the cost of a refusal ----------------------------------------------------------
+
+
+def test_a_cancelled_queued_job_loses_its_upload(tmp_path, allowed):
+    data = tmp_path / "data"
+    with Server(Settings(data_dir=str(data))) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        with open(allowed / "ok.mp4", "rb") as f:
+            r = c.post("/v1/jobs", files={"file": ("ok.mp4", f)}, data={"options": '{"resolution": "32x32"}'})
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        assert os.listdir(data / "uploads") == [f"{job_id}.mp4"]
+        assert c.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
+        assert os.listdir(data / "uploads") == []  # before: kept for ever
+
+
+def test_results_past_the_retention_are_deleted(tmp_path):
+    import time
+
+    from ditsp.serve.controller import Controller
+
+    store = JobStore(tmp_path / "data")
+    try:
+        paths = {}
+        for name in ("old", "new"):
+            job_id = f"{len(paths):032x}"
+            src, out = store.uploads / f"{job_id}.mp4", store.results / f"{job_id}.mp4"
+            src.write_bytes(b"in")
+            out.write_bytes(b"out")
+            store.add(job_id, str(src), True, "x.mp4", str(out), {}, {})
+            store.finish(job_id, "done")
+            paths[name] = (src, out)
+        store._exec("UPDATE jobs SET finished=? WHERE id=?", (time.time() - 7200, f"{0:032x}"))
+        Controller(store, None, 1, retention_s=3600)._expire()
+        assert not paths["old"][0].exists() and not paths["old"][1].exists()
+        assert paths["new"][1].exists()  # finished within the hour: kept
+    finally:
+        store.close()
+
+
+def test_refusing_a_huge_request_builds_the_vae_once(tmp_path, allowed, monkeypatch):
+    """The estimate counts the VAE's parameters on the meta device; before, it rebuilt it ~100 times per
+    refusal (10 s of CPU for a 99999x99999 request)."""
+    import argparse
+
+    from ditsp.commands.upscale import build_request, check_memory
+    from ditsp.models.seedvr2.vae import memory, model
+
+    memory.num_params.cache_clear()
+    built = []
+    init = model.VideoVAE.__init__
+    monkeypatch.setattr(model.VideoVAE, "__init__", lambda self, *a, **k: (built.append(1), init(self, *a, **k))[1])
+    args = argparse.Namespace(
+        input=str(allowed / "ok.mp4"), output=str(tmp_path / "o.mp4"), sp=2, model="seedvr2-3b", dit=None, vae=None,
+        text_embedding=None, dtype=None, resolution="99999x99999", scale=None, size=None, seed=1, color_fix="none",
+        window_frames=0, overlap=4, vae_mode="auto", vae_chunk=1, planner=None, max_memory=None, force=False,
+        fps=None, crf=18, overwrite=False, threads=1, timeout=60.0, plot=None, check=False, json=True,
+        no_progress=True)
+    for _ in range(2):
+        req, _info, _frames, geo, window = build_request(args)
+        with pytest.raises(MemoryError, match="does not fit"):
+            check_memory(req, geo, window, args)
+    assert len(built) <= 1, len(built)

@@ -37,6 +37,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--job-timeout", type=float, default=3600.0, help="seconds a job may go without progress before it is declared stuck")
     p.add_argument("--no-respawn", action="store_true", help="do not replace lost ranks with new workers")
     add_deterministic_arg(p)
+    p.add_argument("--retention-hours", type=float, metavar="H",
+                   help="delete results of jobs finished more than H hours ago (default: keep them)")
     p.set_defaults(func=main)
     return p
 
@@ -64,6 +66,8 @@ def settings_from(args):
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if not 0 < args.max_upload_mb <= 1 << 20:
         raise ValueError(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
+    if args.retention_hours is not None and not 0 < args.retention_hours < float("inf"):
+        raise ValueError(f"--retention-hours must be a number > 0, got {args.retention_hours}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     for flag, path in (("--dit", args.dit), ("--vae", args.vae), ("--text-embedding", args.text_embedding)):
@@ -87,7 +91,8 @@ def settings_from(args):
                     text_embedding=args.text_embedding, dtype=args.dtype, token=token,
                     allow_input=list(args.allow_input), max_upload_mb=args.max_upload_mb, threads=args.threads,
                     timeout_s=args.timeout, job_timeout_s=args.job_timeout, respawn=not args.no_respawn,
-                    deterministic=args.deterministic)
+                    deterministic=args.deterministic,
+                    retention_hours=args.retention_hours)
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -66,6 +66,7 @@ class Settings:
     job_timeout_s: float = 3600.0
     respawn: bool = True
     deterministic: bool = True  # fixed-shape kernel calls: a re-run job (any SP degree) writes the same frames
+    retention_hours: float | None = None  # results of finished jobs deleted after this long (None: kept)
 
     @property
     def weights(self):
@@ -123,7 +124,8 @@ def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
     store = JobStore(settings.data_dir)
     spec = settings.weights
     controller = Controller(store, spec, settings.sp, timeout_s=settings.timeout_s, threads=settings.threads,
-                            respawn=settings.respawn, job_timeout_s=settings.job_timeout_s)
+                            respawn=settings.respawn, job_timeout_s=settings.job_timeout_s,
+                            retention_s=None if settings.retention_hours is None else settings.retention_hours * 3600)
     metrics = Metrics(store)
     controller.metrics = metrics
     allowed = [os.path.realpath(d) for d in settings.allow_input]
@@ -321,8 +323,12 @@ def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
 
     @app.post("/v1/jobs/{job_id}/cancel")
     def cancel(job_id: str):
-        _job_or_404(job_id)
+        before = _job_or_404(job_id)["state"]
         state = store.cancel(job_id)
+        if before == "queued" and state == "cancelled":  # it never runs: its upload goes now
+            full = store.get(job_id, full=True)
+            if full["input_owned"]:
+                Path(full["input_path"]).unlink(missing_ok=True)
         return store.get(job_id) | {"state": state}
 
     @app.get("/healthz")

@@ -63,7 +63,7 @@ class Controller:
     """Runs jobs from ``store`` on an elastic group of ``sp`` persistent workers."""
 
     def __init__(self, store: JobStore, spec, sp: int, metrics=None, timeout_s: float = 60.0, threads: int = 1,
-                 respawn: bool = True, job_timeout_s: float = 3600.0):
+                 respawn: bool = True, job_timeout_s: float = 3600.0, retention_s: float | None = None):
         if sp < 1:
             raise ValueError(f"--sp must be >= 1, got {sp}")
         self.store, self.spec, self.sp = store, spec, sp
@@ -71,6 +71,8 @@ class Controller:
         self.timeout_s, self.threads = timeout_s, threads
         self.respawn = respawn
         self.job_timeout_s = job_timeout_s
+        self.retention_s = retention_s  # None: results are kept
+        self._next_expiry = 0.0
         self.members: list[Worker] = []
         self.joining: list[Worker] = []
         self.generation = 0
@@ -140,6 +142,7 @@ class Controller:
             self._rebuild("start")
             self.ready.set()
             while not self._stop.is_set():
+                self._expire()
                 self._reap()
                 self._admit()
                 if self._needs_rebuild():
@@ -159,6 +162,15 @@ class Controller:
             log.exception("controller failed")
             self.error = f"{type(e).__name__}: {e}"
             self.ready.set()
+
+    def _expire(self) -> None:
+        """Every minute: delete results (and any upload left) of jobs finished more than ``retention_s`` ago."""
+        if self.retention_s is None or time.monotonic() < self._next_expiry:
+            return
+        self._next_expiry = time.monotonic() + 60.0
+        for job in self.store.expired(time.time() - self.retention_s):
+            _remove(job["output_path"])
+            _release_input(job)
 
     def _idle(self, timeout: float) -> None:
         """Wait for a member's death, a joiner's hello, or ``timeout``."""
@@ -316,6 +328,7 @@ class Controller:
                 _remove(job["output_path"])
             self.store.finish(job_id, "cancelled" if cancelled else "done", report=_jsonable(summary),
                               world_size=len(group))
+            _release_input(job)
             if self.metrics is not None:
                 self.metrics.job_done(job, summary, time.monotonic() - started, "cancelled" if cancelled else "done")
             return
@@ -329,6 +342,7 @@ class Controller:
             self._deaths.sort()
             if job["attempts"] >= MAX_ATTEMPTS:
                 self.store.finish(job_id, "failed", error=f"the group broke {job['attempts']} times running this job")
+                _release_input(job)
                 if self.metrics is not None:
                     self.metrics.job_done(job, None, time.monotonic() - started, "failed")
             else:
@@ -337,6 +351,7 @@ class Controller:
         first = next(iter(errors.values()))
         msg = first.strip().splitlines()[0] if first.strip() else "the job failed"
         self.store.finish(job_id, "failed", error=msg[:500])
+        _release_input(job)
         if self.metrics is not None:
             self.metrics.job_done(job, None, time.monotonic() - started, "failed")
 
@@ -346,6 +361,12 @@ def _is_group_failure(errors: dict) -> bool:
     keys = ("Connection closed", "Connection reset", "gloo", "Broken pipe", "timed out", "Timed out", "NCCL",
             "DistBackendError", "DistNetworkError")
     return any(any(k in e for k in keys) for e in errors.values())
+
+
+def _release_input(job: dict) -> None:
+    """A finished job's upload is deleted (it can never run again); inputs named by path are not ours."""
+    if job.get("input_owned"):
+        _remove(job["input_path"])
 
 
 def _remove(path: str) -> None:

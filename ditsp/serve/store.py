@@ -242,6 +242,12 @@ class JobStore:
             rows = self._exec("SELECT * FROM jobs ORDER BY seq DESC LIMIT ?", (limit,))
         return [self._row(r, False) for r in rows]
 
+    def expired(self, before: float) -> list[dict]:
+        """Finished jobs (full rows) that ended before ``before`` (a time.time())."""
+        rows = self._exec("SELECT * FROM jobs WHERE state IN ('done', 'failed', 'cancelled') AND finished < ?",
+                          (before,))
+        return [self._row(r, True) for r in rows]
+
     def count(self, state: str) -> int:
         return self._exec("SELECT COUNT(*) AS n FROM jobs WHERE state=?", (state,))[0]["n"]
 

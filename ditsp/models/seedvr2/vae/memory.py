@@ -13,6 +13,7 @@ The benchmark (:mod:`ditsp.bench.vae`) checks it against measured peaks of reduc
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -170,6 +171,7 @@ def _walk_decoder(cfg: VaeConfig, wk: _Walk, shape, full_rows: int):
     wk.conv(0, w[-1], cfg.out_channels, shape, 3, 1, 1, "decoder.conv_out")
 
 
+@functools.lru_cache(maxsize=16)  # building the VAE, even on the meta device, costs ~1 s; estimates ask often
 def num_params(cfg: VaeConfig) -> int:
     from .model import VideoVAE
 
