@@ -398,3 +398,30 @@ def test_a_16_bit_grey_png_is_read_by_its_range(tmp_path):
     assert got.shape == (1, 3, 32, 240) and int(got.max()) == 255 and int(got.min()) == 0
     assert len(torch.unique(got)) > 200  # before: clipped at 255, 14 distinct values
     assert (got.float().mean() - 127.5).abs() < 3
+
+
+# -- item 15: the launcher's start-up -----------------------------------------------------------------------
+
+
+def test_a_main_module_ranks_cannot_import_is_said_at_once(monkeypatch):
+    from ditsp.dist.launcher import LocalCluster
+
+    main_mod = sys.modules["__main__"]
+    monkeypatch.setattr(main_mod, "__file__", "/nonexistent/<stdin>", raising=False)
+    monkeypatch.setattr(main_mod, "__spec__", None, raising=False)
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match="not a file they can import"):
+        LocalCluster(2, timeout_s=30)
+    assert time.monotonic() - t0 < 5  # before: every rank died at import, reported as "died (exit code 1)"
+
+
+def test_stack_folders_of_gone_launchers_are_swept(clusters):
+    import tempfile
+
+    from ditsp.dist.launcher import _sweep_rank_dirs
+
+    stale = Path(tempfile.mkdtemp(prefix=f"ditsp-ranks-{dead_pid()}-"))
+    mine = clusters(2)._stack_dir
+    assert os.path.basename(mine).startswith(f"ditsp-ranks-{os.getpid()}-")  # named by its launcher
+    _sweep_rank_dirs()
+    assert not stale.exists() and os.path.isdir(mine)

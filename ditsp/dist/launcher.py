@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
@@ -56,6 +57,11 @@ LOOPBACK = "127.0.0.1"
 _START_S = 60.0  # start-up deadline floor (spawning and importing torch take seconds)
 _GRACE_S = 5.0  # once a rank failed, how long its peers get to report theirs
 _STACK_WAIT_S = 2.0  # how long the parent waits for a hung rank's stack dump
+# what a starting rank is waiting on (its slot of the shared `started` array before its first call)
+_PHASE_STORE, _PHASE_GROUP, _PHASE_READY = -2, -3, -4
+_PHASES = {0: "starting the process and importing (no ditsp code has run yet)",
+           _PHASE_STORE: "connecting to the rendezvous store", _PHASE_GROUP: "joining the gloo process group",
+           _PHASE_READY: "sending its hello"}
 
 
 class RankError(RuntimeError):
@@ -214,6 +220,8 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, ta
         from .heartbeat import install
 
         install(beats, rank)
+    if started is not None:
+        started[rank] = _PHASE_STORE  # imports done, this function runs: next, the rendezvous store
     try:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = LOOPBACK, str(port)
@@ -222,8 +230,12 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, ta
             os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
         torch.set_num_threads(threads)
         store = dist.TCPStore(LOOPBACK, port, world, False, datetime.timedelta(seconds=timeout_s))
+        if started is not None:
+            started[rank] = _PHASE_GROUP
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        if started is not None:
+            started[rank] = _PHASE_READY
         ctx = RankContext(rank, world, dist.group.WORLD, torch.device("cpu"))
         results.put((rank, -1, True, bytes(ForkingPickler.dumps(None))))
     except BaseException as e:  # noqa: BLE001 - report any start-up failure to the parent
@@ -284,6 +296,43 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else "(no message)"
 
 
+def _check_main_importable() -> None:
+    """Spawned ranks re-run the parent's main module from its file; one that is not a file (a script read
+    from stdin, ``python - < x.py``) kills every rank at import with an error only stderr shows."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(main, "__spec__", None) is not None:
+        return  # an interactive session (nothing to import) or ``python -m`` (imported by name)
+    if not os.path.isfile(path):
+        raise RankError(f"start-up: spawned ranks re-import the main module, but it is {path!r}, not a file "
+                        f"they can import (a script read from stdin?); run it from a file, with the work under "
+                        f"`if __name__ == \"__main__\":`, or as a module (python -m)")
+
+
+def _sweep_rank_dirs() -> None:
+    """Remove the stack-dump folders of launchers that are gone (killed before they could remove their own)."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) < 4 or parts[:2] != ["ditsp", "ranks"] or not parts[2].isdigit():
+            continue
+        pid = int(parts[2])
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # its launcher still runs
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 class LocalCluster:
     """N gloo ranks on this machine, reused across calls.
 
@@ -308,6 +357,7 @@ class LocalCluster:
         self._calls = 0
         self._store = self._addr = None
         self._stack_dir: str | None = None
+        self._started = None
         self._start()
 
     @property
@@ -320,13 +370,16 @@ class LocalCluster:
         return [p.pid for p in self._procs]
 
     def _start(self) -> None:
+        _check_main_importable()
+        _sweep_rank_dirs()
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         pipes = [ctx.Pipe(duplex=False) for _ in range(self.world_size)]
         self._answers = [reader for reader, _ in pipes]
         self._store, self._addr = loopback_store(self.world_size, max(_START_S, self.timeout_s))
         port = self._addr[1]
-        self._stack_dir = tempfile.mkdtemp(prefix="ditsp-ranks-")
+        self._stack_dir = tempfile.mkdtemp(prefix=f"ditsp-ranks-{os.getpid()}-")  # the pid: swept once it is gone
+        weakref.finalize(self, shutil.rmtree, self._stack_dir, True)  # also if the cluster is never closed
         self._beats = ctx.Array("Q", self.world_size, lock=False)  # each rank's progress counter
         self._started = ctx.Array("q", self.world_size, lock=False)  # the call each rank has unpickled
         self._procs = [
@@ -392,7 +445,11 @@ class LocalCluster:
             return None
         proc.join(timeout=1.0)  # its pipe closed or its process ended: let it finish going
         crash = self._read_stacks(rank)
-        return False, _death(proc.exitcode) + (f"\n{crash}" if crash else "")
+        note = ""
+        if call_id == -1 and self._started is not None and self._started[rank] == 0:
+            note = (" at start-up, before any ditsp code ran (importing the main module or unpickling the rank's "
+                    "arguments failed; the rank's own error went to stderr)")
+        return False, _death(proc.exitcode) + note + (f"\n{crash}" if crash else "")
 
     def _collect(self, call_id: int, timeout_s: float, what: str, idle: bool = True) -> list:
         """Every rank's answer. ``idle``: a rank fails when its heartbeat has not moved for ``timeout_s``
@@ -450,11 +507,16 @@ class LocalCluster:
             why = (f"no answer within {_GRACE_S:g} s of the failure above" if after_failure
                    else f"made no progress for {timeout_s:g} s (no collective completed, no heartbeat)" if idle
                    else f"did not answer within the deadline of {timeout_s:g} s")
+            if what == "start-up" and self._started is not None:  # what the start was waiting on
+                why += " (" + "; ".join(sorted({_PHASES.get(self._started[r], "running") for r in missing})) + ")"
             summary.append(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} {why}")
         parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
         for r in missing:
             st = stacks.get(r) or "(no stack dump came back)"
-            parts.append(f"--- rank {r}: no answer; every thread's stack ---\n{st}")
+            phase = ""
+            if what == "start-up" and self._started is not None:
+                phase = f" (it was {_PHASES.get(self._started[r], 'running')})"
+            parts.append(f"--- rank {r}: no answer{phase}; every thread's stack ---\n{st}")
         return f"{what} failed on {self.world_size} ranks: " + "; ".join(summary) + "\n" + "\n".join(parts)
 
     @property
