@@ -170,6 +170,7 @@ def test_rank_killed_mid_job_then_a_new_rank_joins(server, clips):
         lost = [r for r in h["reconfigurations"] if r["reason"] == "rank lost"]
         joined = [r for r in h["reconfigurations"] if r["reason"] == "rank joined"]
         assert lost and lost[-1]["world"] == 1 and lost[-1]["weights_source"] == ""  # survivors kept theirs
+        assert 0 <= lost[-1]["drain_s"] <= lost[-1]["total_s"]  # where the time went: survivors leaving the job
         assert joined and joined[-1]["world"] == 2 and joined[-1]["weights_source"] == "peer"
         assert joined[-1]["weights_bytes"] > 1_000_000
         assert pid not in [w["pid"] for w in h["workers"]]

@@ -236,3 +236,29 @@ def test_refusing_a_huge_request_builds_the_vae_once(tmp_path, allowed, monkeypa
         with pytest.raises(MemoryError, match="does not fit"):
             check_memory(req, geo, window, args)
     assert len(built) <= 1, len(built)
+
+
+# -- item 14: survivors of a mid-job loss stop at once ------------------------------------------------------
+
+
+def test_a_survivor_is_interrupted_inside_a_job_only():
+    """A worker told that a peer died raises at once inside a job (before: it computed on until its next
+    collective failed, seconds on a large window); between commands the signal is ignored."""
+    import signal
+    import time
+
+    from ditsp.serve import workers
+
+    before = signal.signal(workers.PEER_LOST_SIGNAL, workers._on_peer_lost)
+    try:
+        os.kill(os.getpid(), workers.PEER_LOST_SIGNAL)  # not in a job: nothing happens
+        time.sleep(0.05)
+        workers._in_job[0] = True
+        with pytest.raises(workers.PeerLost):
+            os.kill(os.getpid(), workers.PEER_LOST_SIGNAL)
+            for _ in range(100):  # "computing": the handler runs between bytecodes
+                time.sleep(0.01)
+        assert workers._in_job[0] is False
+    finally:
+        workers._in_job[0] = False
+        signal.signal(workers.PEER_LOST_SIGNAL, before)

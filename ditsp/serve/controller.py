@@ -53,6 +53,7 @@ class Reconfiguration:
     form_s: float = 0.0  # every member in the new process group
     weights_s: float = 0.0  # weights to members without them
     replan_s: float = 0.0  # plans of recent grids at the new degree
+    drain_s: float = 0.0  # noticed -> every survivor out of the interrupted job (part of total_s)
     total_s: float = 0.0  # noticed -> serving again
     weights_source: str = ""
     weights_bytes: int = 0
@@ -73,6 +74,7 @@ class Controller:
         self.job_timeout_s = job_timeout_s
         self.retention_s = retention_s  # None: results are kept
         self._next_expiry = 0.0
+        self._drain_s = 0.0
         self.members: list[Worker] = []
         self.joining: list[Worker] = []
         self.generation = 0
@@ -241,6 +243,7 @@ class Controller:
         self.members = group
         rec.form_s, rec.weights_s, rec.replan_s = b - a, c - b, d - c
         rec.noticed_at = noticed if self._deaths else None
+        rec.drain_s, self._drain_s = (self._drain_s if self._deaths else 0.0), 0.0
         rec.total_s = d - noticed
         self._deaths.clear()
         self.reconfigurations.append(rec)
@@ -312,7 +315,8 @@ class Controller:
 
         started = time.monotonic()
         try:
-            results, errors, dead = call(group, "job", [{"req": req}] * len(group), self.job_timeout_s, on_wait)
+            results, errors, dead = call(group, "job", [{"req": req}] * len(group), self.job_timeout_s, on_wait,
+                                         interrupt=True)
         except _Stopping:
             self.current_job = None
             raise  # the job stays 'running' in the store: the next start re-runs it
@@ -340,6 +344,7 @@ class Controller:
             seen = [w.noticed_at for w in dead if getattr(w, "noticed_at", None)]
             self._deaths.append(min(seen) if seen else time.monotonic())
             self._deaths.sort()
+            self._drain_s = time.monotonic() - self._deaths[0]  # waiting for the survivors to leave the job
             if job["attempts"] >= MAX_ATTEMPTS:
                 self.store.finish(job_id, "failed", error=f"the group broke {job['attempts']} times running this job")
                 _release_input(job)

@@ -34,6 +34,7 @@ import datetime
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import time
 import traceback
 from dataclasses import replace
@@ -52,6 +53,20 @@ class WorkerDied(RuntimeError):
 
 
 # -- worker side ----------------------------------------------------------------
+
+PEER_LOST_SIGNAL = signal.SIGUSR2  # the server's "a peer of your group died" to a worker inside a job
+_in_job = [False]
+
+
+class PeerLost(RuntimeError):
+    """The server said a peer of this worker's group died: the job stops now instead of computing on
+    until its next collective fails (seconds on a large window)."""
+
+
+def _on_peer_lost(signum, frame) -> None:
+    if _in_job[0]:  # only inside a job: between commands the signal is ignored
+        _in_job[0] = False
+        raise PeerLost("a peer of this group was lost; the job stops to re-form the group")
 
 
 class _Progress:
@@ -253,6 +268,7 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
     from ..models.seedvr2.vae import sharded  # noqa: F401
 
     group = _Group(port, timeout_s)
+    signal.signal(PEER_LOST_SIGNAL, _on_peer_lost)
     answers.send((0, True, {"pid": os.getpid()}))
     while True:
         item = tasks.get()
@@ -271,7 +287,11 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
 
                 req = replace(payload["req"], sp=group.world)
                 progress[0], progress[1] = 0, 0
-                out = rank_upscale(group.context(), req)
+                _in_job[0] = True
+                try:
+                    out = rank_upscale(group.context(), req)
+                finally:
+                    _in_job[0] = False
             elif name == "load":
                 from ..models.seedvr2 import weights
 
@@ -350,13 +370,15 @@ class Worker:
 
 
 def call(workers: list[Worker], name: str, payloads: list[dict], timeout_s: float,
-         on_wait=None) -> tuple[dict, dict, list[Worker]]:
+         on_wait=None, interrupt: bool = False) -> tuple[dict, dict, list[Worker]]:
     """Send one command to each worker and collect the answers.
 
     Returns ``(results, errors, dead)``: answers by worker index, error texts
     by worker index, and the workers that died meanwhile. Once a worker dies or
     fails, the others get a short grace to answer (a survivor blocked in a
-    collective with the dead one fails soon after). ``timeout_s`` is a
+    collective with the dead one fails soon after); with ``interrupt`` they
+    are told at once (:data:`PEER_LOST_SIGNAL`), so they stop their job
+    instead of computing until their next collective fails. ``timeout_s`` is a
     stuck-worker check: a worker that has answered nothing and whose heartbeat
     (collectives, pipeline stages) has not moved for that long is stuck; a long
     job that progresses is not. ``on_wait()`` is called about twice a second
@@ -406,6 +428,12 @@ def call(workers: list[Worker], name: str, payloads: list[dict], timeout_s: floa
                 errors[w.index] = f"worker {w.index} (pid {w.pid}) died (exit code {w.proc.exitcode})"
                 pending.pop(w.index)
                 grace = grace or time.monotonic() + 10.0
+                if interrupt:
+                    for other in pending.values():
+                        try:
+                            os.kill(other.pid, PEER_LOST_SIGNAL)
+                        except OSError:
+                            pass
         if on_wait is not None:
             on_wait()
     for idx, w in pending.items():
