@@ -230,7 +230,7 @@ def test_refusing_a_huge_request_builds_the_vae_once(tmp_path, allowed, monkeypa
         text_embedding=None, dtype=None, resolution="99999x99999", scale=None, size=None, seed=1, color_fix="none",
         window_frames=0, overlap=4, vae_mode="auto", vae_chunk=1, planner=None, max_memory=None, force=False,
         fps=None, crf=18, overwrite=False, threads=1, timeout=60.0, plot=None, check=False, json=True,
-        no_progress=True)
+        no_progress=True, deterministic=True)
     for _ in range(2):
         req, _info, _frames, geo, window = build_request(args)
         with pytest.raises(MemoryError, match="does not fit"):
