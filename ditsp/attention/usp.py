@@ -53,8 +53,16 @@ def _comm(group, stats: CommStats) -> Comm:
 _AGREED_MAX = 256  # cached signatures per SPAttention (cleared, on every rank alike, when full)
 
 
-def _local_problem(q, k, v, text_len: int, joint: str, seq_lens, sp: Comm, causal: bool = False) -> str | None:
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def _local_problem(q, k, v, text_len: int, joint: str, seq_lens, sp: Comm, causal: bool = False,
+                   layout: str = "contiguous") -> str | None:
     """What is wrong with this rank's own inputs (None when nothing), without raising."""
+    if causal and layout != "contiguous":
+        return (f"causal attention needs contiguous shards in rank order; the {layout} layout is not "
+                "supported with causal=True here (the packed path, ditsp.attention.packed with "
+                "dispatch mode 'zigzag', handles zigzag causal shards)")
     if causal and text_len:
         return f"causal attention takes no joint text (text_len {text_len}); pass text_len=0"
     if joint not in ("front", "rear"):
@@ -93,7 +101,7 @@ def _signature(attn: "SPAttention", q, k, v, text_len, joint, seq_lens, scale, b
         "seq_lens": None if seq_lens is None else [int(n) for n in seq_lens],
         "scale": None if scale is None else float(scale),
         "mesh": [attn.u.world_size, attn.r.world_size], "outer": attn.outer, "stacked": attn.stacked,
-        "strict": attn.strict, "backend": backend,
+        "strict": attn.strict, "backend": backend, "layout": attn.layout,
         # Last: the q, k, v shapes without the length dim (catches what the named fields do not).
         "shapes": [[int(n) for i, n in enumerate(x.shape) if i != 1] + [str(x.dtype)] for x in (q, k, v)],
     }
@@ -110,9 +118,13 @@ class SPAttention:
     """Global attention over a sequence sharded on ``U x R`` ranks; takes and returns ``[B, L, H, D]``."""
 
     def __init__(self, ulysses_group=None, ring_group=None, sp_group=None, outer: str = "ring",
-                 stacked: bool = False, strict: bool = False, name: str = "usp", backend: str | None = None):
+                 stacked: bool = False, strict: bool = False, name: str = "usp", backend: str | None = None,
+                 layout: str = "contiguous"):
         if outer not in ("ring", "allgather"):
             raise ValueError(f"outer must be 'ring' or 'allgather', got {outer!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        self.layout = layout  # how the caller's shards cut the sequence (causal needs contiguous)
         self.stats = CommStats()
         self.u, self.r = _comm(ulysses_group, self.stats), _comm(ring_group, self.stats)
         self.sp = _comm(sp_group, self.stats)
@@ -137,7 +149,7 @@ class SPAttention:
         choice = choose(q.device.type, q.dtype, int(q.shape[-1]) if q.dim() else 0, self.requested)
         self.backend, self.backend_reason = choice.name, choice.reason
         sig = _signature(self, q, k, v, text_len, joint, seq_lens, scale, choice.name, causal)
-        problem = _local_problem(q, k, v, int(text_len), joint, seq_lens, self.sp, causal)
+        problem = _local_problem(q, k, v, int(text_len), joint, seq_lens, self.sp, causal, self.layout)
         key = json.dumps(sig, sort_keys=True, default=str)
         if key in self._agreed:
             if problem:
@@ -160,12 +172,13 @@ class SPAttention:
         return choice
 
     @classmethod
-    def from_config(cls, config: ParallelConfig, groups: SPGroups, backend: str | None = None) -> "SPAttention":
+    def from_config(cls, config: ParallelConfig, groups: SPGroups, backend: str | None = None,
+                    layout: str = "contiguous") -> "SPAttention":
         u, r = config.ulysses_degree, config.ring_degree
         outer = "allgather" if config.use_allgather else "ring"
         name = "ulysses" if r == 1 else (outer if u == 1 else f"usp-{outer}")
         attn = cls(groups.ulysses, groups.ring, groups.sp, outer, config.ulysses_a2a_stacked,
-                   not config.advanced_uaa, name, backend)
+                   not config.advanced_uaa, name, backend, layout)
         from ..dist.transport import configure
 
         configure(attn.u, config)  # the Ulysses transport policy of this config (every rank alike)
@@ -235,17 +248,23 @@ class SPAttention:
         return torch.cat([ot, ov] if joint == "front" else [ov, ot], 1)
 
 
-def Ulysses(group, stacked: bool = False, strict: bool = False, backend: str | None = None) -> SPAttention:
-    return SPAttention(group, None, group, "ring", stacked, strict, "ulysses", backend)
+def Ulysses(group, stacked: bool = False, strict: bool = False, backend: str | None = None,
+            layout: str = "contiguous") -> SPAttention:
+    return SPAttention(group, None, group, "ring", stacked, strict, "ulysses", backend, layout)
 
 
-def Ring(group, backend: str | None = None) -> SPAttention:
-    return SPAttention(None, group, group, "ring", name="ring", backend=backend)
+def Ring(group, backend: str | None = None, layout: str = "contiguous") -> SPAttention:
+    """``layout``: how the caller cut the sequence into shards, ``contiguous`` (rank order) or
+    ``zigzag`` (rank r holds chunks r and 2P-1-r of 2P); causal attention refuses ``zigzag`` on every
+    rank rather than mask by the wrong positions. Anything else raises."""
+    return SPAttention(None, group, group, "ring", name="ring", backend=backend, layout=layout)
 
 
-def AllGatherKV(group, backend: str | None = None) -> SPAttention:
-    return SPAttention(None, group, group, "allgather", name="allgather", backend=backend)
+def AllGatherKV(group, backend: str | None = None, layout: str = "contiguous") -> SPAttention:
+    return SPAttention(None, group, group, "allgather", name="allgather", backend=backend, layout=layout)
 
 
-def USP(config: ParallelConfig, groups: SPGroups, backend: str | None = None) -> SPAttention:
-    return SPAttention.from_config(config, groups, backend)
+def USP(config: ParallelConfig, groups: SPGroups, backend: str | None = None,
+        layout: str = "contiguous") -> SPAttention:
+    """Ulysses x Ring (or AllGather-KV) of ``config``; ``layout`` as for :func:`Ring`."""
+    return SPAttention.from_config(config, groups, backend, layout)

@@ -1,0 +1,1 @@
+"""Third-party models under ditsp sequence parallelism (``diffusers``: :func:`ditsp.integrations.diffusers.parallelize`)."""

@@ -1,0 +1,11 @@
+"""diffusers transformers under ditsp SP: ``parallelize(model, ParallelConfig(...))``, in place.
+
+Needs the ``diffusers`` extra only to build the models; this package imports
+no diffusers code itself (plans name classes and modules by their names).
+"""
+
+from .hooks import ParallelizeError
+from .parallelize import parallelize, reduce_gradients, runtime_of
+from .plans import PLANS
+
+__all__ = ["parallelize", "reduce_gradients", "runtime_of", "ParallelizeError", "PLANS"]

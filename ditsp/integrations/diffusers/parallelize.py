@@ -1,0 +1,92 @@
+"""``parallelize(model, config, group)``: a diffusers transformer under ditsp sequence parallelism, in place.
+
+After it, the model's own ``forward`` takes the full inputs on every rank of
+the SP group and returns the full output on every rank: the sequence is
+sharded after patch embedding (plus RoPE tables and per-token timesteps),
+self-attention runs the strategy ``config`` names (Ulysses, Ring, USP,
+AllGather-KV; uneven heads with ``advanced_uaa``), cross-attention to
+replicated text stays local, and the output projection is gathered.
+
+Gradients: parameters end with per-rank partial gradients whose sum over
+the SP group is the single-device gradient (:func:`reduce_gradients` sums
+them); see :mod:`ditsp.attention.sequence` for the convention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ...attention.usp import SPAttention
+from ...config import ParallelConfig
+from ...dist.comm import Comm
+from ...dist.groups import build_sp_groups
+from .hooks import ParallelizeError, Runtime, install
+from .plans import PLANS
+
+
+def _plan(model):
+    name = type(model).__name__
+    for cls in type(model).__mro__:
+        if cls.__name__ in PLANS:
+            return PLANS[cls.__name__]
+    raise ParallelizeError(f"cannot parallelize {name}: ditsp supports {', '.join(sorted(PLANS))}")
+
+
+def _heads(model) -> int | None:
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "num_attention_heads", None) if cfg is not None else None
+
+
+def _attention(config: ParallelConfig, group, heads, backend):
+    """The SP Comm and attention strategy over ``group`` (None: the default group, or one device)."""
+    if not dist.is_initialized():
+        if config.sp_degree != 1:
+            raise ParallelizeError(f"SP degree {config.sp_degree} needs torch.distributed initialised")
+        return Comm.single(), SPAttention(backend=backend, name="single")
+    parent = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(parent)
+    if world != config.sp_degree:
+        raise ParallelizeError(f"the group has {world} ranks but the config's SP degree is {config.sp_degree} "
+                               f"(ulysses {config.ulysses_degree} x ring {config.ring_degree}); they must match")
+    config.validate("global", world, heads)
+    groups = build_sp_groups(config, parent)
+    return Comm.of(groups.sp), SPAttention.from_config(config, groups, backend)
+
+
+def parallelize(model: torch.nn.Module, config: ParallelConfig, group=None, backend: str | None = None):
+    """Put ``model`` (a diffusers transformer) under SP on ``group`` (every rank calls this); returns ``model``.
+
+    Every rank of the default process group must call it (SP sub-groups are created collectively).
+    ``backend`` requests an attention kernel (see ``ditsp.attention.kernels``). Raises
+    :class:`ParallelizeError` with one line naming the model or module it cannot parallelize.
+    """
+    if getattr(model, "_ditsp_runtime", None) is not None:
+        raise ParallelizeError(f"{type(model).__name__} is already parallelized by ditsp")
+    if getattr(model, "_parallel_config", None) is not None:
+        raise ParallelizeError(f"{type(model).__name__} already runs diffusers' own context parallelism "
+                               "(enable_parallelism); use one or the other")
+    plan = _plan(model)
+    if not isinstance(config, ParallelConfig):
+        raise ParallelizeError(f"config must be a ditsp ParallelConfig, got {type(config).__name__}")
+    comm, attention = _attention(config, group, _heads(model), backend)
+    runtime = Runtime(comm, attention, config)
+    runtime.handles = install(model, plan, runtime)
+    model._ditsp_runtime = runtime
+    return model
+
+
+def runtime_of(model) -> Runtime:
+    rt = getattr(model, "_ditsp_runtime", None)
+    if rt is None:
+        raise ParallelizeError(f"{type(model).__name__} is not parallelized by ditsp")
+    return rt
+
+
+def reduce_gradients(model: torch.nn.Module) -> None:
+    """Sum every parameter gradient over the model's SP group, in place: afterwards each rank holds the
+    single-device gradient (one all-reduce per parameter that has one)."""
+    comm = runtime_of(model).comm
+    for p in model.parameters():
+        if p.grad is not None:
+            comm.all_reduce(p.grad, kind="grad_all_reduce")

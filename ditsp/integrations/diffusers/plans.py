@@ -1,0 +1,7 @@
+"""The one list of diffusers model classes ditsp can parallelize: class name -> its :class:`~.hooks.Plan`."""
+
+from __future__ import annotations
+
+from . import wan
+
+PLANS = {plan.family: plan for plan in (wan.PLAN,)}
