@@ -35,7 +35,7 @@ class Split:
 
     dim: int
     ndim: int | None = None
-    required: bool = True
+    required: bool | None = None  # must fire once per forward (default: when ``ndim`` is not given)
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,14 @@ class Gather:
     """Gather this output back to the full sequence along ``dim`` on every rank."""
 
     dim: int
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """An input ditsp does not shard (e.g. ControlNet residuals): given (not None), the forward raises."""
+
+    why: str
+    required: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,10 @@ def _names(module) -> list[str]:
 
 
 def _apply(runtime: Runtime, op, x, key: str):
+    if isinstance(op, Refuse):
+        if x is not None:
+            raise ParallelizeError(f"{key} is not supported under ditsp SP: {op.why}")
+        return x
     if isinstance(op, Gather):
         if not isinstance(x, torch.Tensor):
             raise ParallelizeError(f"{key}: expected a tensor to gather, got {type(x).__name__}")
@@ -133,11 +145,19 @@ def _post_hook(runtime: Runtime, path: str, specs: dict):
     return hook
 
 
+def _required(op) -> bool:
+    if isinstance(op, Gather):
+        return True
+    if op.required is not None:
+        return op.required
+    return getattr(op, "ndim", None) is None
+
+
 def required_keys(plan: Plan) -> set[str]:
     keys = {f"{path or '<model>'}:{name}" for path, specs in plan.inputs.items()
-            for name, op in specs.items() if op.ndim is None and getattr(op, "required", True)}
+            for name, op in specs.items() if _required(op)}
     keys |= {f"{path}:{'output' if i is None else i}" for path, specs in plan.outputs.items()
-             for i, op in specs.items() if getattr(op, "ndim", None) is None and getattr(op, "required", True)}
+             for i, op in specs.items() if _required(op)}
     return keys
 
 

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from . import wan
+from . import flux, wan
 
-PLANS = {plan.family: plan for plan in (wan.PLAN,)}
+PLANS = {plan.family: plan for plan in (wan.PLAN, flux.PLAN)}
