@@ -47,6 +47,8 @@ class ParallelConfig:
       depend on the SP degree or the plan (:mod:`ditsp.fixed_shape`), so the output
       equals one device's bit for bit on any CPU; ``False`` runs plain calls (equal
       within tolerance; see docs/determinism.md for the measured cost).
+    - ``cfg_degree``: classifier-free guidance parallel (1 or 2): the conditional and unconditional
+      passes on two groups of ``sp_degree`` ranks each (``ditsp.integrations.diffusers.cfg``).
     """
 
     ulysses_degree: int = 1
@@ -60,8 +62,11 @@ class ParallelConfig:
     ulysses_a2a_long_training: str | None = None
     a2a_capacity_bytes: int | None = None
     deterministic: bool = True
+    cfg_degree: int = 1
 
     def __post_init__(self):
+        if self.cfg_degree not in (1, 2) or isinstance(self.cfg_degree, bool):
+            raise ParallelConfigError(f"cfg_degree must be 1 or 2, got {self.cfg_degree!r}")
         for name in ("ulysses_degree", "ring_degree"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -80,6 +80,7 @@ class Runtime:
         self.comm, self.attention, self.config = comm, attention, config
         self.lens: list[int] | None = None  # every rank's tokens, set by the last token shard
         self.fired: dict[str, int] = {}
+        self.cfg, self.cfg_half = None, 0  # CFG-parallel exchange Comm and this rank's pass (0 cond, 1 uncond)
 
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         lens = splits(x.shape[dim], self.comm)

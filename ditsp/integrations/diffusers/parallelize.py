@@ -7,6 +7,11 @@ self-attention runs the strategy ``config`` names (Ulysses, Ring, USP,
 AllGather-KV; uneven heads with ``advanced_uaa``), cross-attention to
 replicated text stays local, and the output projection is gathered.
 
+With ``config.cfg_degree == 2`` the group holds two SP groups (the two
+classifier-free guidance passes): ``forward`` runs one pass on the half it is
+called on; :func:`ditsp.integrations.diffusers.cfg.cfg_forward` runs both at
+once and exchanges them.
+
 Gradients: parameters end with per-rank partial gradients whose sum over
 the SP group is the single-device gradient (:func:`reduce_gradients` sums
 them); see :mod:`ditsp.attention.sequence` for the convention.
@@ -39,19 +44,31 @@ def _heads(model) -> int | None:
 
 
 def _attention(config: ParallelConfig, group, heads, backend):
-    """The SP Comm and attention strategy over ``group`` (None: the default group, or one device)."""
+    """(SP Comm, attention strategy, CFG Comm or None, CFG half) over ``group`` (None: the default group,
+    or one device). With ``cfg_degree=2`` the group's first ``sp_degree`` ranks run the conditional pass
+    and the rest the unconditional one; rank j of one half exchanges outputs with rank j of the other."""
+    need = config.sp_degree * config.cfg_degree
     if not dist.is_initialized():
-        if config.sp_degree != 1:
-            raise ParallelizeError(f"SP degree {config.sp_degree} needs torch.distributed initialised")
-        return Comm.single(), SPAttention(backend=backend, name="single")
+        if need != 1:
+            raise ParallelizeError(f"{need} ranks (SP {config.sp_degree} x CFG {config.cfg_degree}) need "
+                                   "torch.distributed initialised")
+        return Comm.single(), SPAttention(backend=backend, name="single"), None, 0
     parent = group if group is not None else dist.group.WORLD
-    world = dist.get_world_size(parent)
-    if world != config.sp_degree:
-        raise ParallelizeError(f"the group has {world} ranks but the config's SP degree is {config.sp_degree} "
-                               f"(ulysses {config.ulysses_degree} x ring {config.ring_degree}); they must match")
-    config.validate("global", world, heads)
-    groups = build_sp_groups(config, parent)
-    return Comm.of(groups.sp), SPAttention.from_config(config, groups, backend)
+    ranks = dist.get_process_group_ranks(parent)
+    if len(ranks) != need:
+        raise ParallelizeError(f"the group has {len(ranks)} ranks but the config asks for {need} (ulysses "
+                               f"{config.ulysses_degree} x ring {config.ring_degree} x cfg {config.cfg_degree})")
+    config.validate("global", len(ranks), heads)
+    groups = build_sp_groups(config, parent)  # one SP group per CFG half (every rank creates all of them)
+    cfg, half = None, 0
+    if config.cfg_degree > 1:
+        sp, me = config.sp_degree, dist.get_rank()
+        for j in range(sp):
+            pair = [ranks[j], ranks[j + sp]]
+            g = dist.new_group(pair)
+            if me in pair:
+                cfg, half = Comm.of(g), pair.index(me)
+    return Comm.of(groups.sp), SPAttention.from_config(config, groups, backend), cfg, half
 
 
 def parallelize(model: torch.nn.Module, config: ParallelConfig, group=None, backend: str | None = None):
@@ -69,8 +86,9 @@ def parallelize(model: torch.nn.Module, config: ParallelConfig, group=None, back
     plan = _plan(model)
     if not isinstance(config, ParallelConfig):
         raise ParallelizeError(f"config must be a ditsp ParallelConfig, got {type(config).__name__}")
-    comm, attention = _attention(config, group, _heads(model), backend)
+    comm, attention, cfg, half = _attention(config, group, _heads(model), backend)
     runtime = Runtime(comm, attention, config)
+    runtime.cfg, runtime.cfg_half = cfg, half
     runtime.handles = install(model, plan, runtime)
     model._ditsp_runtime = runtime
     return model
@@ -86,7 +104,10 @@ def runtime_of(model) -> Runtime:
 def reduce_gradients(model: torch.nn.Module) -> None:
     """Sum every parameter gradient over the model's SP group, in place: afterwards each rank holds the
     single-device gradient (one all-reduce per parameter that has one)."""
-    comm = runtime_of(model).comm
+    rt = runtime_of(model)
+    if rt.cfg is not None:
+        raise ParallelizeError("reduce_gradients: a CFG-parallel model runs inference only")
+    comm = rt.comm
     for p in model.parameters():
         if p.grad is not None:
             comm.all_reduce(p.grad, kind="grad_all_reduce")
