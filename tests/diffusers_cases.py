@@ -86,3 +86,39 @@ def compare(results, family, heads, shape, per_token=False, summed=True):
     out_err, grad_err = errors(results, family, heads, shape, per_token, summed)
     assert out_err <= OUT_TOL, out_err
     assert grad_err <= GRAD_TOL, grad_err
+
+
+def save_tiny_wan_pipeline(folder, seed: int = 0, expand_timesteps: bool = False):
+    """A tiny random Wan text-to-video pipeline folder (transformer, VAE, scheduler, model_index.json) and
+    its prompt embeddings file. No text encoder or tokenizer: their files are not available offline, so
+    the prompt is given as precomputed embeddings (``embeds.safetensors``)."""
+    import json
+    from pathlib import Path
+
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    z = 4
+    vae = AutoencoderKLWan(base_dim=8, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.0, 0.3],
+                           latents_std=[1.5, 0.8, 1.0, 1.2])
+    from diffusers import WanTransformer3DModel
+
+    tr = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=12, in_channels=z,
+                               out_channels=z, text_dim=16, freq_dim=32, ffn_dim=64, num_layers=2,
+                               rope_max_seq_len=32)
+    tr.save_pretrained(folder / "transformer")
+    vae.save_pretrained(folder / "vae")
+    FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(folder / "scheduler")
+    index = {"_class_name": "WanPipeline", "_diffusers_version": "0.42.1",
+             "transformer": ["diffusers", "WanTransformer3DModel"], "vae": ["diffusers", "AutoencoderKLWan"],
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "text_encoder": [None, None],
+             "tokenizer": [None, None], "transformer_2": [None, None], "boundary_ratio": None,
+             "expand_timesteps": expand_timesteps}
+    (folder / "model_index.json").write_text(json.dumps(index))
+    g = torch.Generator().manual_seed(seed + 1)
+    save_file({"prompt_embeds": torch.randn(1, 7, 16, generator=g),
+               "negative_prompt_embeds": torch.randn(1, 7, 16, generator=g)}, str(folder / "embeds.safetensors"))
+    return folder
