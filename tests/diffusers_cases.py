@@ -32,6 +32,12 @@ def build(family: str, heads: int = 4, seed: int = 0):
         return FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
                                       attention_head_dim=8, num_attention_heads=heads, joint_attention_dim=16,
                                       pooled_projection_dim=8, guidance_embeds=False, axes_dims_rope=(2, 2, 4))
+    if family == "ltx":
+        from diffusers import LTXVideoTransformer3DModel
+
+        return LTXVideoTransformer3DModel(in_channels=8, out_channels=8, num_attention_heads=heads,
+                                          attention_head_dim=8, cross_attention_dim=4 * 8, num_layers=2,
+                                          caption_channels=16)
     raise ValueError(family)
 
 
@@ -44,6 +50,15 @@ def inputs(family: str, shape, per_token: bool = False, seed: int = 1):
         tokens = f * (h // 2) * (w // 2)
         t = torch.randint(0, 1000, (1, tokens), generator=g) if per_token else torch.tensor([437])
         return (x, t, torch.randn(1, 7, 16, generator=g)), {}, torch.randn(1, 4, f, h, w, generator=g)
+    if family == "ltx":  # (frames, height, width) of the latent grid; one text token masked out
+        f, h, w = shape
+        s = f * h * w
+        t = torch.randint(0, 1000, (1, s), generator=g) if per_token else torch.tensor([437])
+        mask = torch.ones(1, 6)
+        mask[0, -1] = 0
+        kw = {"timestep": t, "encoder_attention_mask": mask, "num_frames": f, "height": h, "width": w}
+        return (torch.randn(1, s, 8, generator=g), torch.randn(1, 6, 16, generator=g)), kw, \
+            torch.randn(1, s, 8, generator=g)
     s, text = shape
     x, e = torch.randn(1, s, 8, generator=g), torch.randn(1, text, 16, generator=g)
     kw = {"pooled_projections": torch.randn(1, 8, generator=g), "timestep": torch.tensor([0.5]),
