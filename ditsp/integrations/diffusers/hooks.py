@@ -110,6 +110,9 @@ def _apply(runtime: Runtime, op, x, key: str):
             raise ParallelizeError(f"{key}: expected a tensor to gather, got {type(x).__name__}")
         runtime.fired[key] = runtime.fired.get(key, 0) + 1
         return runtime.gather(x, op.dim)
+    if isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):  # e.g. (cos, sin)
+        runtime.fired[key] = runtime.fired.get(key, 0) + 1
+        return type(x)(runtime.shard(t, op.dim) for t in x)
     if not isinstance(x, torch.Tensor) or (op.ndim is not None and x.dim() != op.ndim):
         return x
     runtime.fired[key] = runtime.fired.get(key, 0) + 1

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from . import flux, ltx, wan
+from . import cogvideox, flux, ltx, wan
 
-PLANS = {plan.family: plan for plan in (wan.PLAN, ltx.PLAN, flux.PLAN)}
+PLANS = {plan.family: plan for plan in (wan.PLAN, ltx.PLAN, cogvideox.PLAN, flux.PLAN)}
