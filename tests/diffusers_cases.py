@@ -46,6 +46,13 @@ def build(family: str, heads: int = 4, seed: int = 0):
                                            sample_width=10, sample_height=6, sample_frames=5, patch_size=2,
                                            max_text_seq_length=6,
                                            use_rotary_positional_embeddings=family == "cogvideox-rope")
+    if family == "hunyuan":
+        from diffusers import HunyuanVideoTransformer3DModel
+
+        return HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=heads,
+                                              attention_head_dim=8, num_layers=1, num_single_layers=1,
+                                              num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, text_embed_dim=16,
+                                              pooled_projection_dim=8, rope_axes_dim=(2, 2, 4))
     raise ValueError(family)
 
 
@@ -75,6 +82,14 @@ def inputs(family: str, shape, per_token: bool = False, seed: int = 1):
             kw["image_rotary_emb"] = (torch.randn(s, 8, generator=g), torch.randn(s, 8, generator=g))
         return (torch.randn(1, f, 4, h, w, generator=g), torch.randn(1, 6, 16, generator=g)), kw, \
             torch.randn(1, f, 4, h, w, generator=g)
+    if family == "hunyuan":  # latent (frames, height, width); 6 text tokens, the last two padding
+        f, h, w = shape
+        mask = torch.ones(1, 6)
+        mask[0, 4:] = 0
+        x, e = torch.randn(1, 4, f, h, w, generator=g), torch.randn(1, 6, 16, generator=g)
+        kw = {"timestep": torch.tensor([437]), "encoder_hidden_states": e, "encoder_attention_mask": mask,
+              "pooled_projections": torch.randn(1, 8, generator=g), "guidance": torch.tensor([3.5])}
+        return (x,), kw, torch.randn(1, 4, f, h, w, generator=g)
     s, text = shape
     x, e = torch.randn(1, s, 8, generator=g), torch.randn(1, text, 16, generator=g)
     kw = {"pooled_projections": torch.randn(1, 8, generator=g), "timestep": torch.tensor([0.5]),

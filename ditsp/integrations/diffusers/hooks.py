@@ -71,6 +71,7 @@ class Plan:
     local_attention: tuple[str, ...] = ()
     processor: Callable | None = None
     processor_classes: tuple[str, ...] = ()
+    check: Callable | None = None  # model -> a one-line reason it cannot be parallelized, or None
 
 
 class Runtime:
@@ -172,6 +173,9 @@ def matches(path: str, globs) -> bool:
 def install(model: torch.nn.Module, plan: Plan, runtime: Runtime) -> list:
     """Check every attention module against ``plan``, then hook the model; returns the hook handles."""
     modules = dict(model.named_modules())
+    why = plan.check(model) if plan.check is not None else None
+    if why:
+        raise ParallelizeError(f"cannot parallelize {plan.family}: {why}")
     for path in list(plan.inputs) + list(plan.outputs):
         if path not in modules:
             raise ParallelizeError(f"{plan.family}: module {path!r} of the plan is missing from this model")

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from . import cogvideox, flux, ltx, wan
+from . import cogvideox, flux, hunyuan_video, ltx, wan
 
-PLANS = {plan.family: plan for plan in (wan.PLAN, ltx.PLAN, cogvideox.PLAN, flux.PLAN)}
+PLANS = {plan.family: plan for plan in (wan.PLAN, ltx.PLAN, cogvideox.PLAN, hunyuan_video.PLAN, flux.PLAN)}
