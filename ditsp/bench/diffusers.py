@@ -3,7 +3,8 @@
 Every configuration builds the same seeded ``WanTransformer3DModel`` on every
 rank, applies its parallelism and runs the same full inputs; a forward's
 time is the slowest rank's (ranks start each forward after a barrier), the
-table shows the median over the timed forwards, the peak is the most memory
+table shows the median over the timed forwards (configurations interleaved
+round by round, so machine drift hits all alike), the peak is the most memory
 one forward added on any rank (:class:`ditsp.memory.PeakMemory`), and the
 error is rank 0's output against the unmodified model on one device.
 
@@ -89,7 +90,13 @@ def _apply(name: str, model, ctx):
         torch.accelerator.device_count = count
 
 
+def _fail(e: Exception) -> str:
+    return "fails: " + (str(e).splitlines() or [type(e).__name__])[0][:110]
+
+
 def rank_bench(ctx, names, tokens_list, heads, head_dim, layers, warmup, repeats) -> list[dict]:
+    """Every configuration set up side by side, then timed in interleaved rounds (machine drift hits all
+    alike); a configuration that raises (every rank raises alike) is kept with its error."""
     import torch.distributed as dist
 
     from ..memory import PeakMemory
@@ -103,31 +110,38 @@ def rank_bench(ctx, names, tokens_list, heads, head_dim, layers, warmup, repeats
         if ctx.rank == 0:
             with torch.no_grad():
                 ref = _model(heads, head_dim, layers)(x, t, text, return_dict=False)[0]
-        dist.barrier(group=ctx.group)
+        models, here = {}, []
         for name in names:
-            row = {"config": name, "tokens": f * (h // 2) * (w // 2), "ranks": ctx.world_size}
+            row = {"config": name, "tokens": f * (h // 2) * (w // 2), "ranks": ctx.world_size, "status": "ok",
+                   "times": [], "peak": 0}
+            here.append(row)
+            dist.barrier(group=ctx.group)
             try:
                 model = _model(heads, head_dim, layers)
                 _apply(name, model, ctx)
-                times, peak = [], 0
                 with torch.no_grad():
-                    for i in range(warmup + repeats):
-                        dist.barrier(group=ctx.group)
-                        mem = PeakMemory(torch.device("cpu"))
-                        mem.start()
-                        t0 = time.perf_counter()
+                    for _ in range(max(1, warmup)):
                         out = model(x, t, text, return_dict=False)[0]  # workaround 2: no return_dict output
-                        dt = time.perf_counter() - t0
-                        if i >= warmup:
-                            times.append(dt)
-                            peak = max(peak, mem.peak_added())
-                row.update(status="ok", times=times, peak=peak)
                 if ref is not None:
                     row["rel_err"] = float((out - ref).abs().max() / ref.abs().max())
-            except Exception as e:  # every rank reaches the same line (the same config fails alike)
-                row.update(status="fails: " + (str(e).splitlines() or [type(e).__name__])[0][:110])
-            rows.append(row)
-            dist.barrier(group=ctx.group)
+                models[name] = model
+            except Exception as e:
+                row["status"] = _fail(e)
+        with torch.no_grad():
+            for _ in range(repeats):
+                for row in here:
+                    if row["config"] not in models:
+                        continue
+                    dist.barrier(group=ctx.group)
+                    mem = PeakMemory(torch.device("cpu"))
+                    mem.start()
+                    t0 = time.perf_counter()
+                    models[row["config"]](x, t, text, return_dict=False)
+                    row["times"].append(time.perf_counter() - t0)
+                    row["peak"] = max(row["peak"], mem.peak_added())
+        rows += here
+        del models
+        dist.barrier(group=ctx.group)
     return rows
 
 
