@@ -18,6 +18,7 @@ CASES = [  # (ulysses, ring, heads, grid, per_token, advanced_uaa)
     (1, 3, 4, (2, 10, 14), False, False),   # Ring 3, uneven tokens 24/23/23
     (3, 1, 4, (3, 6, 10), True, True),      # Ulysses 3: 4 heads (uneven), 45 tokens, Wan 2.2 per-token timesteps
     (1, 2, 4, (3, 6, 10), True, False),     # Ring 2, uneven 23/22, per-token timesteps
+    (2, 2, 4, (2, 10, 14), False, False),   # USP 2x2 (the 4-rank pool the CFG test also uses)
 ]
 
 
