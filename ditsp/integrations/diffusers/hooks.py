@@ -72,6 +72,7 @@ class Plan:
     processor: Callable | None = None
     processor_classes: tuple[str, ...] = ()
     check: Callable | None = None  # model -> a one-line reason it cannot be parallelized, or None
+    grid: Callable | None = None  # (model, args, kwargs) -> post-patch (T, H, W) of a forward (sparse attention)
 
 
 class Runtime:
@@ -82,6 +83,21 @@ class Runtime:
         self.lens: list[int] | None = None  # every rank's tokens, set by the last token shard
         self.fired: dict[str, int] = {}
         self.cfg, self.cfg_half = None, 0  # CFG-parallel exchange Comm and this rank's pass (0 cond, 1 uncond)
+        self.sparse = None  # (SP process group, SparseConfig): sparse attention per forward's grid
+        self._sparse_by_grid: dict = {}
+
+    def begin(self, plan: "Plan", model, args, kwargs) -> None:
+        """Start a forward: reset the token split; with sparse attention, pick the strategy of this grid."""
+        self.fired, self.lens = {}, None
+        if self.sparse is not None:
+            from ...attention.sparse import SparseUlysses
+
+            grid = tuple(plan.grid(model, args, kwargs))
+            if grid not in self._sparse_by_grid:
+                if len(self._sparse_by_grid) >= 8:
+                    self._sparse_by_grid.pop(next(iter(self._sparse_by_grid)))
+                self._sparse_by_grid[grid] = SparseUlysses(self.sparse[0], grid, self.sparse[1])
+            self.attention = self._sparse_by_grid[grid]
 
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         lens = splits(x.shape[dim], self.comm)
@@ -200,7 +216,7 @@ def install(model: torch.nn.Module, plan: Plan, runtime: Runtime) -> list:
     required = required_keys(plan)
 
     def begin(module, args, kwargs):
-        runtime.fired, runtime.lens = {}, None
+        runtime.begin(plan, module, args, kwargs)
         return None
 
     def end(module, args, out):

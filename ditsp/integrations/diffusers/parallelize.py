@@ -52,7 +52,7 @@ def _attention(config: ParallelConfig, group, heads, backend):
         if need != 1:
             raise ParallelizeError(f"{need} ranks (SP {config.sp_degree} x CFG {config.cfg_degree}) need "
                                    "torch.distributed initialised")
-        return Comm.single(), SPAttention(backend=backend, name="single"), None, 0
+        return Comm.single(), SPAttention(backend=backend, name="single"), None, 0, None
     parent = group if group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(parent)
     if len(ranks) != need:
@@ -68,14 +68,18 @@ def _attention(config: ParallelConfig, group, heads, backend):
             g = dist.new_group(pair)
             if me in pair:
                 cfg, half = Comm.of(g), pair.index(me)
-    return Comm.of(groups.sp), SPAttention.from_config(config, groups, backend), cfg, half
+    return Comm.of(groups.sp), SPAttention.from_config(config, groups, backend), cfg, half, groups.sp
 
 
-def parallelize(model: torch.nn.Module, config: ParallelConfig, group=None, backend: str | None = None):
+def parallelize(model: torch.nn.Module, config: ParallelConfig, group=None, backend: str | None = None,
+                sparse=None):
     """Put ``model`` (a diffusers transformer) under SP on ``group`` (every rank calls this); returns ``model``.
 
     Every rank of the default process group must call it (SP sub-groups are created collectively).
-    ``backend`` requests an attention kernel (see ``ditsp.attention.kernels``). Raises
+    ``backend`` requests an attention kernel (see ``ditsp.attention.kernels``). ``sparse``: a
+    :class:`ditsp.attention.sparse.SparseConfig` runs self-attention as adaptive block-sparse attention
+    with head-migration balancing instead (Ulysses only, inference only; families whose plan knows its
+    token grid: Wan). Raises
     :class:`ParallelizeError` with one line naming the model or module it cannot parallelize.
     """
     if getattr(model, "_ditsp_runtime", None) is not None:
@@ -86,9 +90,17 @@ def parallelize(model: torch.nn.Module, config: ParallelConfig, group=None, back
     plan = _plan(model)
     if not isinstance(config, ParallelConfig):
         raise ParallelizeError(f"config must be a ditsp ParallelConfig, got {type(config).__name__}")
-    comm, attention, cfg, half = _attention(config, group, _heads(model), backend)
+    if sparse is not None:
+        if plan.grid is None:
+            raise ParallelizeError(f"sparse attention for {plan.family}: its plan does not know the token grid "
+                                   "(supported: " + ", ".join(sorted(p.family for p in PLANS.values() if p.grid)) + ")")
+        if config.ring_degree != 1:
+            raise ParallelizeError("sparse attention runs under Ulysses only: use ring_degree=1")
+    comm, attention, cfg, half, sp_group = _attention(config, group, _heads(model), backend)
     runtime = Runtime(comm, attention, config)
     runtime.cfg, runtime.cfg_half = cfg, half
+    if sparse is not None:
+        runtime.sparse = (sp_group, sparse)
     runtime.handles = install(model, plan, runtime)
     model._ditsp_runtime = runtime
     return model

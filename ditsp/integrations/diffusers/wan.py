@@ -49,6 +49,13 @@ class WanSelfAttention:
         return attn.to_out[1](attn.to_out[0](out))
 
 
+def grid(model, args, kwargs) -> tuple[int, int, int]:
+    """Post-patch (T, H, W) of a forward's latents ``[B, C, F, H, W]`` (tokens in canonical order)."""
+    x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    pt, ph, pw = model.config.patch_size
+    return x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw
+
+
 PLAN = Plan(
     family="WanTransformer3DModel",
     inputs={
@@ -60,4 +67,5 @@ PLAN = Plan(
     local_attention=("blocks.*.attn2",),
     processor=WanSelfAttention,
     processor_classes=("WanAttnProcessor",),
+    grid=grid,
 )
