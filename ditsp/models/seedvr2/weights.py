@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...weights.load import quantize_
 from .nadit.config import PRESETS as DIT_PRESETS
 from .nadit.model import build_model
 from .vae import VideoVAE, load_checkpoint
@@ -34,8 +35,12 @@ class WeightsSpec:
     text_embedding: str | None = None
     dtype: str = "fp32"
     seed: int = 0
+    weights_dtype: str | None = None  # "fp8"/"fp8_e5m2": quantize float weights at load (ditsp/weights)
 
     def __post_init__(self):
+        from ...weights.fp8 import canonical
+
+        canonical(self.weights_dtype)  # an unknown name raises here, before any rank loads
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(sorted(MODELS))}")
         if self.model not in DIT_PRESETS:
@@ -64,15 +69,15 @@ def load(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2:
         return _CACHE[key]
     _CACHE.clear()
     dtype = DTYPES[spec.dtype]
-    dit = build_model(spec.model, checkpoint=spec.dit, seed=spec.seed, dtype=dtype, device=device)
+    dit = build_model(spec.model, checkpoint=spec.dit, seed=spec.seed, dtype=dtype, device=device,
+                      weights_dtype=spec.weights_dtype)
     vae_cfg = VAE_PRESETS[MODELS[spec.model]]
     if spec.vae:
-        with torch.device("meta"):
+        with torch.device("meta"):  # streamed: tensors are read one by one into the final dtype
             vae = VideoVAE(vae_cfg)
-        vae = vae.to_empty(device="cpu")
-        _load_vae(vae, spec.vae)
+        _load_vae(vae, spec.vae, dtype, spec.weights_dtype)
     else:
-        vae = seeded_vae(vae_cfg, spec.seed + 7)
+        vae = quantize_(seeded_vae(vae_cfg, spec.seed + 7), spec.weights_dtype, dtype)
     vae = vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
     cfg = dit.cfg
     if spec.text_embedding:
@@ -85,13 +90,13 @@ def load(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2:
     return _CACHE[key]
 
 
-def _load_vae(vae, path: str) -> None:
+def _load_vae(vae, path: str, dtype: torch.dtype = torch.float32, weights_dtype: str | None = None) -> None:
     """The VAE checkpoint into ``vae``; an unreadable file is one line (never torch's advice to load unsafely)."""
     from .nadit.checkpoint import CheckpointError, _first_line
     from .vae import CheckpointError as VAECheckpointError
 
     try:
-        load_checkpoint(vae, path, dtype=torch.float32)
+        load_checkpoint(vae, path, dtype=dtype, weights_dtype=weights_dtype)
     except (CheckpointError, VAECheckpointError):
         raise
     except Exception as e:  # noqa: BLE001 - a pickle payload, a truncated file, a wrong format

@@ -1,4 +1,7 @@
-"""Strict NaDiT checkpoint loading (reference ``.pth`` or ``.safetensors``), both families.
+"""Strict NaDiT checkpoint loading, both families: the reference ``.pth``, ``.safetensors`` in
+fp32/fp16/bf16 or FP8 (the ComfyUI distributions, mixed FP8/fp16 files and per-tensor scales
+included) and GGUF (Q8_0, the k-quants; ``ditsp/weights/formats.py`` reads them), streamed tensor
+by tensor; quantized weights stay quantized on the rank (``ditsp/weights/quantized.py``).
 
 The only rename is the RoPE buffer suffix ``.rope.rope.freqs`` ->
 ``.rope.freqs`` (the reference nests a RotaryEmbedding inside its RoPE
@@ -25,6 +28,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from ....weights import FormatError, StoredTensor, assign, from_tensors, materialize, open_checkpoint, targets_of
 from .rope import RopeBuffer
 
 REF_SUFFIX, PORT_SUFFIX = ".rope.rope.freqs", ".rope.freqs"
@@ -41,10 +45,13 @@ class LoadReport:
     loaded: int
     renamed: int
     dropped: list[str] = field(default_factory=list)  # keys skipped by allow_truncated
+    formats: dict[str, int] = field(default_factory=dict)  # kept format -> tensors
 
     def __str__(self) -> str:
         extra = f", {len(self.dropped)} keys of truncated blocks skipped" if self.dropped else ""
-        return f"{self.path}: {self.loaded} tensors loaded strictly ({self.renamed} RoPE keys renamed){extra}"
+        kept = ", ".join(f"{n} {f}" for f, n in sorted(self.formats.items()))
+        return (f"{self.path}: {self.loaded} tensors loaded strictly ({self.renamed} RoPE keys renamed){extra}"
+                + (f"; kept as {kept}" if kept else ""))
 
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -104,11 +111,15 @@ def _list(title: str, items: list[str], limit: int = 25) -> str:
     return f"  {title} ({len(items)}):\n" + "\n".join(f"    {s}" for s in items[:limit]) + more
 
 
-def check_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor], allow_truncated: bool = False
-                     ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """(normalised tensors to load, dropped keys); raises :class:`CheckpointError` listing every mismatch."""
+def check_state_dict(model: nn.Module, sd: Mapping, allow_truncated: bool = False) -> tuple[dict, list[str]]:
+    """(normalised entries to load, dropped keys); raises :class:`CheckpointError` listing every mismatch.
+
+    ``sd`` maps names to tensors or to :class:`~ditsp.weights.StoredTensor` descriptions (a file
+    not read yet): names, shapes and dtypes are checked on the descriptions; values (NaN/Inf) as
+    each tensor is read (:func:`load_checkpoint`)."""
     sd, _ = normalize_keys(sd)
-    expected = model.state_dict(keep_vars=True)
+    sd = {k: (v if isinstance(v, StoredTensor) else StoredTensor.of(k, v)) for k, v in sd.items()}
+    expected = targets_of(model)
     n_layers = len(getattr(model, "blocks", []))
     ckpt_blocks = 1 + max((int(m.group(1)) for k in sd if (m := _BLOCK.match(k))), default=-1)
     dropped: list[str] = []
@@ -123,38 +134,33 @@ def check_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor], allow_tru
     unexpected = sorted(set(sd) - set(expected))
     shapes = sorted(f"{k}: checkpoint {tuple(sd[k].shape)}, model {tuple(expected[k].shape)}"
                     for k in set(sd) & set(expected) if tuple(sd[k].shape) != tuple(expected[k].shape))
-    dtypes, nonfinite = _bad_values(sd, expected)
-    if missing or unexpected or shapes or dtypes or nonfinite:
-        parts = [_list(t, v) for t, v in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes),
-                                          ("wrong dtype", dtypes), ("non-finite", nonfinite)) if v]
-        raise CheckpointError("checkpoint does not match the model:\n" + "\n".join(parts))
+    dtypes = [f"{k}: checkpoint {sd[k].fmt}, model {str(expected[k].dtype).removeprefix('torch.')} "
+              f"(a float tensor is required)" for k in sorted(set(sd) & set(expected))
+              if expected[k].dtype.is_floating_point and not sd[k].is_float]
+    _raise_if(missing=missing, unexpected=unexpected, shapes=shapes, dtypes=dtypes)
     _check_rope(model, sd)
     return dict(sd), dropped
 
 
-def _bad_values(sd: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-    """(non-float tensors for float parameters, tensors with NaN/Inf), one line each."""
-    dtypes, nonfinite = [], []
-    for k in sorted(set(sd) & set(expected)):
-        got, want = sd[k], expected[k]
-        if want.dtype.is_floating_point and not got.dtype.is_floating_point:
-            dtypes.append(f"{k}: checkpoint {str(got.dtype).removeprefix('torch.')}, model "
-                          f"{str(want.dtype).removeprefix('torch.')} (a float tensor is required)")
-        elif got.dtype.is_floating_point and not got.is_meta and not bool(torch.isfinite(got).all()):
-            n_nan, n_inf = int(torch.isnan(got).sum()), int(torch.isinf(got).sum())
-            nonfinite.append(f"{k}: {n_nan} NaN, {n_inf} Inf of {got.numel()} values")
-    return dtypes, nonfinite
+def _raise_if(missing=(), unexpected=(), shapes=(), dtypes=(), nonfinite=()) -> None:
+    if missing or unexpected or shapes or dtypes or nonfinite:
+        parts = [_list(t, list(v)) for t, v in (("missing", missing), ("unexpected", unexpected),
+                                                ("mis-shaped", shapes), ("wrong dtype", dtypes),
+                                                ("non-finite", nonfinite)) if v]
+        raise CheckpointError("checkpoint does not match the model:\n" + "\n".join(parts))
 
 
 def _rope_modules(model: nn.Module):
     return [(name, mod) for name, mod in model.named_modules() if isinstance(mod, RopeBuffer)]
 
 
-def _check_rope(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
-    """A RoPE buffer must hold the analytic frequencies (to its dtype's precision)."""
+def _check_rope(model: nn.Module, sd: Mapping[str, StoredTensor]) -> None:
+    """A RoPE buffer must hold the analytic frequencies (to its stored dtype's precision)."""
     for name, mod in _rope_modules(model):
         if f"{name}.freqs" in sd:
-            got = sd[f"{name}.freqs"]
+            got = sd[f"{name}.freqs"].read()
+            if got.is_meta:
+                continue
             want = mod.analytic_freqs()
             tol = torch.finfo(got.dtype).eps if got.dtype.is_floating_point else 0.0
             if not torch.allclose(got.float().cpu(), want, rtol=tol, atol=0.0):
@@ -162,26 +168,45 @@ def _check_rope(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
                                       f"RoPE frequencies {want[:3].tolist()}... ({mod.describe()})")
 
 
-def load_checkpoint(model: nn.Module, path_or_sd, allow_truncated: bool = False) -> LoadReport:
-    """Strictly load a checkpoint file (or an in-memory state_dict) into ``model``.
+def _open(path_or_sd):
+    """A file or an in-memory state_dict as a described checkpoint; file problems are one line."""
+    try:
+        if isinstance(path_or_sd, (str, os.PathLike)):
+            return open_checkpoint(path_or_sd)
+        return from_tensors(path_or_sd)
+    except FormatError as e:
+        raise CheckpointError(str(e)) from None
 
-    Tensors are cast to the model's dtypes; a model built on the meta device is
-    materialised by assignment. RoPE buffers keep their analytic values.
+
+def load_checkpoint(model: nn.Module, path_or_sd, allow_truncated: bool = False, dtype: torch.dtype | None = None,
+                    weights_dtype: str | None = None) -> LoadReport:
+    """Strictly load a checkpoint file (any format of :data:`ditsp.weights.FORMATS`) or an in-memory
+    state_dict into ``model``, one tensor at a time.
+
+    Float tensors are cast to ``dtype`` (default: the model's dtypes); FP8 and GGUF-quantized
+    weights stay in their stored form, dequantized per layer in the compute dtype;
+    ``weights_dtype="fp8"`` quantizes float weight matrices at load. A model built on the meta
+    device is materialised tensor by tensor. RoPE buffers keep their analytic values.
     """
     is_path = isinstance(path_or_sd, (str, os.PathLike))
-    raw = read_state_dict(path_or_sd) if is_path else path_or_sd
-    sd, dropped = check_state_dict(model, raw, allow_truncated)
-    expected = model.state_dict(keep_vars=True)
-    meta = any(t.is_meta for t in expected.values())
-    cast = {}
-    for k, v in sd.items():
-        ref = expected[k]
-        cast[k] = v.to(dtype=ref.dtype, device="cpu" if meta else ref.device)  # fp16/bf16/fp64 -> model dtype
+    ckpt = _open(path_or_sd)
+    raw_names = ckpt.entries
+    entries, dropped = check_state_dict(model, raw_names, allow_truncated)
+    targets = targets_of(model)
+    rope = {f"{name}.freqs" for name, _ in _rope_modules(model)}
+    got = materialize(entries, targets, dtype, weights_dtype)
+    _raise_if(nonfinite=[f"{k}: {n_nan} NaN, {n_inf} Inf of {n} values"
+                         for k, (n_nan, n_inf, n) in sorted(got.nonfinite.items())])
     for name, mod in _rope_modules(model):  # full-precision analytic RoPE, whatever the file stored
-        if f"{name}.freqs" in cast:
-            cast[f"{name}.freqs"] = mod.analytic_freqs().to(cast[f"{name}.freqs"].device)
-    model.load_state_dict(cast, strict=True, assign=meta)
-    return LoadReport(str(path_or_sd) if is_path else "<state_dict>", len(cast), normalize_keys(raw)[1], dropped)
+        key = f"{name}.freqs"
+        if key in got.kept:
+            got.kept[key].tensor = mod.analytic_freqs().to(got.kept[key].tensor.device)
+    compute = dtype or next((t.dtype for k, t in targets.items() if k not in rope and t.dtype.is_floating_point),
+                            torch.float32)
+    assign(model, got.kept, compute)
+    del ckpt
+    return LoadReport(str(path_or_sd) if is_path else "<state_dict>", len(got.kept), normalize_keys(raw_names)[1],
+                      dropped, got.formats())
 
 
 def load_text_embedding(path: str | os.PathLike, txt_in_dim: int | None = None) -> torch.Tensor:

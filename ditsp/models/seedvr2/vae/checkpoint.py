@@ -1,8 +1,10 @@
-"""Strict loading of the VAE checkpoint (released ``ema_vae.pth`` or a ``.safetensors`` export).
+"""Strict loading of the VAE checkpoint (released ``ema_vae.pth``, a ``.safetensors`` export in
+fp32/fp16/bf16 or FP8, or a GGUF file; any format of ``ditsp/weights/formats.py``), streamed.
 
 The reference loads its VAE non-strictly, which would hide a wrong or partial checkpoint; here
 every model tensor must be present with its exact shape, no extra tensor may remain, and every
-value must be a finite float (fp32, fp16 or bf16; converted to the model's dtype). The one rename
+value must be a finite float (fp32, fp16, bf16, converted to the model's dtype; FP8 or GGUF blocks,
+kept quantized and dequantized per layer). The one rename
 is the legacy attention naming (``query/key/value/proj_attn`` -> ``to_q/to_k/to_v/to_out.0``) that
 the reference's loader also applies.
 """
@@ -15,7 +17,10 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from ....weights import FormatError, StoredTensor, assign, from_tensors, materialize, open_checkpoint, targets_of
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT_FORMATS = ("fp32", "fp16", "bf16")
 LEGACY = {".query.": ".to_q.", ".key.": ".to_k.", ".value.": ".to_v.", ".proj_attn.": ".to_out.0."}
 
 
@@ -24,17 +29,18 @@ class CheckpointError(ValueError):
 
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    path = os.fspath(path)
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
+    """Every tensor of a file, read (kept for callers that want a plain state_dict)."""
+    ckpt = _open(path)
+    return {k: e.read() for k, e in ckpt.entries.items()}
 
-        return load_file(path, device="cpu")
-    sd = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(sd, Mapping) and "state_dict" in sd and isinstance(sd["state_dict"], Mapping):
-        sd = sd["state_dict"]
-    if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise CheckpointError(f"{path}: expected a flat state_dict of tensors, got {type(sd).__name__}")
-    return dict(sd)
+
+def _open(path_or_sd):
+    try:
+        if isinstance(path_or_sd, (str, os.PathLike)):
+            return open_checkpoint(path_or_sd)
+        return from_tensors(path_or_sd)
+    except FormatError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _rename(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -54,35 +60,47 @@ def _section(title: str, items: list[str], limit: int = 30) -> str:
     return f"  {title} ({len(items)}):\n" + "\n".join(f"    {s}" for s in items[:limit]) + more
 
 
-def check_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Raise :class:`CheckpointError` listing missing, unexpected, mis-shaped, non-float and non-finite tensors."""
-    sd = _rename(sd)
-    expected = model.state_dict()
+def _dtype_name(fmt: str) -> str:
+    return "torch." + {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(fmt, fmt)
+
+
+def check_state_dict(model: nn.Module, sd: Mapping) -> dict[str, StoredTensor]:
+    """Raise :class:`CheckpointError` listing missing, unexpected, mis-shaped and non-float tensors
+    (``sd``: tensors or :class:`~ditsp.weights.StoredTensor` descriptions); returns the renamed entries."""
+    sd = _rename({k: (v if isinstance(v, StoredTensor) else StoredTensor.of(k, v)) for k, v in sd.items()})
+    expected = targets_of(model)
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
-    shapes, dtypes, nonfinite = [], [], []
+    shapes, dtypes = [], []
     for k in sorted(set(sd) & set(expected)):
         v = sd[k]
         if tuple(v.shape) != tuple(expected[k].shape):
             shapes.append(f"{k}: checkpoint {tuple(v.shape)}, model {tuple(expected[k].shape)}")
-        elif v.dtype not in FLOAT_DTYPES:
-            dtypes.append(f"{k}: {v.dtype} (expected float32, float16 or bfloat16)")
-        elif not bool(torch.isfinite(v).all()):
-            nonfinite.append(f"{k}: {int((~torch.isfinite(v)).sum())} non-finite values")
-    problems = [("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes), ("not float", dtypes),
-                ("non-finite", nonfinite)]
-    if any(v for _, v in problems):
-        raise CheckpointError("VAE checkpoint does not match the model:\n"
-                              + "\n".join(_section(t, v) for t, v in problems if v))
+        elif v.fmt not in FLOAT_FORMATS and not v.quantized:
+            dtypes.append(f"{k}: {_dtype_name(v.fmt)} (expected float32, float16, bfloat16, FP8 or GGUF)")
+    _raise_if([("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes), ("not float", dtypes)])
     return sd
 
 
-def load_checkpoint(model: nn.Module, path_or_sd, dtype: torch.dtype | None = None) -> int:
-    """Load strictly into ``model`` (converted to ``dtype`` or the model's dtype); returns the tensor count."""
-    sd = read_state_dict(path_or_sd) if isinstance(path_or_sd, (str, os.PathLike)) else dict(path_or_sd)
-    sd = check_state_dict(model, sd)
+def _raise_if(problems) -> None:
+    if any(v for _, v in problems):
+        raise CheckpointError("VAE checkpoint does not match the model:\n"
+                              + "\n".join(_section(t, v) for t, v in problems if v))
+
+
+def load_checkpoint(model: nn.Module, path_or_sd, dtype: torch.dtype | None = None,
+                    weights_dtype: str | None = None) -> int:
+    """Load strictly into ``model``, one tensor at a time (converted to ``dtype`` or the model's
+    dtype; FP8/GGUF weights stay quantized, ``weights_dtype="fp8"`` quantizes float kernels and
+    matrices at load); returns the tensor count. A model on the meta device is materialised."""
+    ckpt = _open(path_or_sd)
+    entries = check_state_dict(model, ckpt.entries)
+    targets = targets_of(model)
+    got = materialize(entries, targets, dtype, weights_dtype)
+    _raise_if([("non-finite", [f"{k}: {b[0] + b[1]} non-finite values" for k, b in sorted(got.nonfinite.items())])])
+    compute = dtype or next((t.dtype for t in targets.values() if t.dtype.is_floating_point), torch.float32)
+    assign(model, got.kept, compute)
     if dtype is not None:
         model.to(dtype)
-    target = model.state_dict()
-    model.load_state_dict({k: v.to(target[k].dtype) for k, v in sd.items()}, strict=True)
-    return len(sd)
+    del ckpt
+    return len(got.kept)

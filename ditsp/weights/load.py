@@ -1,0 +1,147 @@
+"""Streaming materialization: a model's tensors read one at a time from a described checkpoint.
+
+The model's names and shapes are checked by the model's loader on the descriptions first; here
+each tensor is read from the (memory-mapped) file, checked for NaN/Inf, converted to what the
+rank keeps -- a float tensor in the compute dtype, or stored bytes behind a dequantizing
+parametrization (FP8 from the file or quantized at load, GGUF blocks) -- and dropped from the
+file's pages before the next one is read. Nothing is put into the model until every tensor
+passed, so a failure leaves the model as it was; a model built on the meta device therefore
+peaks at about one copy of the weights as kept, plus one tensor in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from . import fp8 as _fp8
+from .quantized import QuantSpec, attach, dequantize
+from .stored import StoredTensor
+
+
+@dataclass
+class Kept:
+    """What the rank keeps for one model tensor: a plain tensor, or bytes plus a :class:`QuantSpec`."""
+
+    tensor: torch.Tensor
+    spec: QuantSpec | None = None
+
+
+@dataclass
+class Materialized:
+    kept: dict[str, Kept]
+    nonfinite: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # key -> (NaN, Inf, numel)
+
+    def formats(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for k in self.kept.values():
+            name = k.spec.fmt if k.spec else str(k.tensor.dtype).removeprefix("torch.")
+            out[name] = out.get(name, 0) + 1
+        return out
+
+
+def _count_nonfinite(w: torch.Tensor) -> tuple[int, int] | None:
+    if bool(torch.isfinite(w).all()):
+        return None
+    return int(torch.isnan(w).sum()), int(torch.isinf(w).sum())
+
+
+def materialize(entries: Mapping[str, StoredTensor], targets: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
+                weights_dtype: str | None = None, keep: Callable[[str], bool] | None = None,
+                device: torch.device | str = "cpu") -> Materialized:
+    """Read and convert every entry (keys already the model's names, checked against ``targets``).
+
+    ``dtype``: the compute dtype for float parameters (None: each target's own dtype); buffers
+    keep their target's dtype. ``weights_dtype``: an FP8 format to quantize eligible float weights
+    into (:func:`fp8.eligible`); ``keep(name)`` True keeps a weight in float anyway.
+    """
+    fmt8 = _fp8.canonical(weights_dtype)
+    params = {k for k, t in targets.items() if isinstance(t, nn.Parameter)}
+    out = Materialized({})
+    for k, e in entries.items():
+        ref = targets[k]
+        want = dtype if (dtype is not None and k in params and ref.dtype.is_floating_point) else ref.dtype
+        if e.quantized:
+            raw = e.read()
+            scale = (e.read_scale() if e.read_scale else 1.0) if e.fmt in _fp8.FORMATS else 1.0
+            spec = QuantSpec(e.fmt, tuple(e.shape), scale)
+            raw = raw.contiguous().view(torch.uint8)
+            check = dequantize(raw, spec, torch.float32)  # NaN/Inf of the weight as the model sees it
+            bad = _count_nonfinite(check)
+            if k in params:
+                kept = Kept(raw.to(device=device, copy=True), spec)
+            else:  # a quantized buffer: kept as a plain tensor
+                kept = Kept(check.to(device=device, dtype=want))
+            del check, raw
+        else:
+            t = e.read()
+            bad = _count_nonfinite(t) if t.dtype.is_floating_point else None
+            if (fmt8 and k in params and t.dtype.is_floating_point and _fp8.eligible(k, e.shape)
+                    and not (keep and keep(k))):
+                raw, scale = _fp8.quantize(t, fmt8)
+                kept = Kept(raw.to(device), QuantSpec(fmt8, tuple(e.shape), scale))
+            elif t.dtype.is_floating_point:
+                kept = Kept(t.to(device=device, dtype=want, copy=True))
+            else:
+                kept = Kept(t.to(device=device, copy=True))
+            del t
+        if bad is not None:
+            out.nonfinite[k] = (bad[0], bad[1], e.numel)
+        out.kept[k] = kept
+    return out
+
+
+def assign(model: nn.Module, kept: Mapping[str, Kept], compute_dtype: torch.dtype | None = None) -> None:
+    """Put every kept tensor into ``model`` under its name (parameters stay parameters)."""
+    for k, v in kept.items():
+        mod_name, _, leaf = k.rpartition(".")
+        mod = model.get_submodule(mod_name) if mod_name else model
+        if v.spec is not None:
+            attach(mod, leaf, v.tensor, v.spec, compute_dtype or torch.float32)
+            continue
+        if leaf in mod._parameters:
+            old = mod._parameters[leaf]
+            mod._parameters[leaf] = nn.Parameter(v.tensor, requires_grad=bool(old is not None and old.requires_grad
+                                                                                and v.tensor.is_floating_point()))
+        elif leaf in mod._buffers:
+            mod._buffers[leaf] = v.tensor
+        else:
+            from torch.nn.utils import parametrize
+
+            if parametrize.is_parametrized(mod, leaf):  # a float tensor where a quantized one was
+                parametrize.remove_parametrizations(mod, leaf, leave_parametrized=False)
+                mod._parameters[leaf] = nn.Parameter(v.tensor, requires_grad=False)
+            else:
+                raise KeyError(k)
+
+
+def targets_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` by its plain name (a quantized weight under the name
+    of the weight it stands for, as a meta tensor of its logical shape)."""
+    from .quantized import quantized_weights
+
+    out = dict(model.named_parameters(remove_duplicate=False))
+    out.update(dict(model.named_buffers(remove_duplicate=False)))
+    for name, mod, p, _ in quantized_weights(model):
+        mod_name = name.rpartition(".")[0]
+        leaf = name.rpartition(".")[2]
+        prefix = f"{mod_name}.parametrizations.{leaf}." if mod_name else f"parametrizations.{leaf}."
+        for k in [k for k in out if k.startswith(prefix)]:
+            del out[k]
+        out[name] = nn.Parameter(torch.empty(p.spec.shape, dtype=p.probe.dtype, device="meta"), requires_grad=False)
+    return out
+
+
+def quantize_(model: nn.Module, weights_dtype: str | None, dtype: torch.dtype | None = None) -> nn.Module:
+    """Quantize ``model``'s eligible float weights in place (``--weights-dtype`` on seeded weights)."""
+    if _fp8.canonical(weights_dtype) is None:
+        return model
+    targets = targets_of(model)
+    entries = {k: StoredTensor.of(k, t) for k, t in targets.items() if isinstance(t, nn.Parameter)
+               and not t.is_meta and _fp8.eligible(k, t.shape) and t.dtype.is_floating_point}
+    got = materialize(entries, targets, dtype, weights_dtype)
+    assign(model, {k: v for k, v in got.kept.items() if v.spec is not None}, dtype or torch.float32)
+    return model

@@ -1,0 +1,279 @@
+"""The distributed weight formats: FP8 safetensors (plain, mixed, scaled, e5m2) and GGUF (Q8_0, a
+Q4_K_M mix) for the DiT and the VAE, built from the tiny seeded weights with the real files'
+naming rules; kept quantized on the rank, dequantized per layer; strict names; SP 1 and 2.
+
+Two comparisons per format: against the same model with the *dequantized* weights in float (the
+per-layer mechanism itself: fp32 rounding only, 1e-5) and against the float source (the
+quantization's error, bounded at about twice what it measures here; README "weights").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ditsp.config import ParallelConfig
+from ditsp.dist.comm import Comm
+from ditsp.models.seedvr2.nadit import TINY, CheckpointError, NaDiT, load_checkpoint
+from ditsp.models.seedvr2.nadit.model import build_model, init_random_, random_inputs
+from ditsp.models.seedvr2.parallelize import parallelize
+from ditsp.models.seedvr2.vae import TINY as VAE_TINY
+from ditsp.models.seedvr2.vae import CheckpointError as VaeCheckpointError
+from ditsp.models.seedvr2.vae import VideoVAE
+from ditsp.models.seedvr2.vae import load_checkpoint as load_vae
+from ditsp.models.seedvr2.vae.fixtures import seeded_vae
+from ditsp.models.seedvr2.vae.sharded import ParallelVAE
+from ditsp.weights import formats_held, held_bytes, is_quantized, max_buffer_bytes, quantized_weights
+from ditsp.weights.convert import save_fp8, save_gguf
+from ditsp.weights.gguf_write import q4_k_m, q8_0, write_gguf
+
+pytestmark = pytest.mark.timeout(240)
+GRID = (3, 8, 12)
+
+# format -> (writer, bound on max|out - float| / max|float| of the DiT output, of the VAE decode)
+DIT_FORMATS = {
+    "fp8_e4m3fn": (lambda sd, p: save_fp8(sd, p / "dit_fp8_e4m3fn.safetensors"), 0.10),
+    "fp8_e4m3fn_mixed_last_block_fp16": (
+        lambda sd, p: save_fp8(sd, p / "dit_mixed.safetensors", keep=lambda k: k.startswith("blocks.3.")), 0.10),
+    "fp8_e4m3fn_scaled": (lambda sd, p: save_fp8(sd, p / "dit_scaled.safetensors", scaled=True), 0.10),
+    "fp8_e5m2_scaled": (lambda sd, p: save_fp8(sd, p / "dit_e5m2.safetensors", "fp8_e5m2", scaled=True), 0.20),
+    "Q8_0": (lambda sd, p: save_gguf(sd, p / "dit-Q8_0.gguf", q8_0), 0.02),
+    "Q4_K_M": (lambda sd, p: save_gguf(sd, p / "dit-Q4_K_M.gguf", q4_k_m), 0.12),
+}
+
+
+def rel(out, ref) -> float:
+    return float((out - ref).abs().max() / ref.abs().max())
+
+
+def reference_names(model) -> dict:
+    """The DiT's tensors under the distributed files' names (the reference's, ``.rope.rope.freqs``)."""
+    return {(k[: -len(".rope.freqs")] + ".rope.rope.freqs" if k.endswith(".rope.freqs") else k): v.detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def dequantized_copy(model, cls, cfg):
+    """A float model holding exactly the weights ``model`` computes with (its dequantized weights)."""
+    out = cls(cfg)
+    sd = {}
+    for k in out.state_dict():
+        mod_name, _, leaf = k.rpartition(".")
+        mod = model.get_submodule(mod_name) if mod_name else model
+        sd[k] = getattr(mod, leaf).detach().float()
+    out.load_state_dict(sd)
+    return out.eval()
+
+
+@pytest.fixture(scope="module")
+def dit_source():
+    return init_random_(NaDiT(TINY), seed=7).eval()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return random_inputs(TINY, GRID, seed=1)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, dit_source):
+    d = tmp_path_factory.mktemp("formats")
+    sd = reference_names(dit_source)
+    return {name: str(w(sd, d)) for name, (w, _) in DIT_FORMATS.items()}
+
+
+# ------------------------------------------------------------------------------------- DiT
+
+
+@pytest.mark.parametrize("fmt", list(DIT_FORMATS))
+def test_dit_formats_stay_quantized_and_match_float(files, dit_source, inputs, fmt, one_thread):
+    model = build_model(TINY, checkpoint=files[fmt])
+    held = formats_held(model)
+    assert held and is_quantized(model)
+    if fmt.startswith("fp8"):
+        assert set(held) == {fmt.split("_scaled")[0].split("_mixed")[0]}
+    else:
+        assert set(held) <= {"Q8_0", "Q4_K", "Q6_K"} and (fmt != "Q4_K_M" or "Q4_K" in held)
+    if "mixed" in fmt:  # the last block stays in float, as the *_mixed_block35_fp16 file's
+        assert not any(n.startswith("blocks.3.") for n, *_ in quantized_weights(model))
+        assert any(n.startswith("blocks.2.") for n, *_ in quantized_weights(model))
+    assert held_bytes(model) < 0.45 * held_bytes(dit_source)
+    vid, txt = inputs
+    with torch.no_grad():
+        out = model(vid, txt, 1000.0)
+        exact = dequantized_copy(model, NaDiT, TINY)(vid, txt, 1000.0)
+        ref = dit_source(vid, txt, 1000.0)
+    assert rel(out, exact) <= 1e-5  # per-layer dequantization is the dequantized model
+    assert 0 < rel(out, ref) <= DIT_FORMATS[fmt][1]
+    assert held_bytes(model) == sum(t.numel() * t.element_size() for t in model.state_dict().values()), \
+        "no dequantized copy outlives a forward"
+
+
+def test_weights_dtype_fp8_quantizes_a_float_checkpoint_at_load(tmp_path, dit_source, inputs, one_thread):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "dit_fp16.safetensors"
+    save_file({k: v.half().contiguous() for k, v in reference_names(dit_source).items()}, path)
+    model = build_model(TINY, checkpoint=str(path), dtype=torch.bfloat16, weights_dtype="fp8")
+    assert formats_held(model) == {"fp8_e4m3fn": 36}
+    assert all(p.probe.dtype == torch.bfloat16 for _, _, p, _ in quantized_weights(model))
+    vid, txt = inputs
+    with torch.no_grad():
+        out = model(vid, txt, 1000.0).float()
+        ref = dit_source(vid, txt, 1000.0)
+    assert rel(out, ref) <= 0.10
+    # the same switch on seeded weights (no file)
+    assert formats_held(build_model(TINY, weights_dtype="fp8_e5m2")) == {"fp8_e5m2": 36}
+    assert max_buffer_bytes(model) == max(p.spec.numel for _, _, p, _ in quantized_weights(model)) * 2
+
+
+def test_gguf_layout_as_distributed(files):
+    """Names carry ``model.diffusion_model.``; shapes are GGUF's reversed dims."""
+    import gguf
+
+    r = gguf.GGUFReader(files["Q8_0"])
+    names = [t.name for t in r.tensors]
+    assert all(n.startswith("model.diffusion_model.") for n in names)
+    t = next(t for t in r.tensors if t.name == "model.diffusion_model.txt_in.weight")
+    assert t.tensor_type.name == "Q8_0" and tuple(reversed(t.shape.tolist())) == (TINY.vid_dim, TINY.txt_in_dim)
+
+
+def test_gguf_strictness(tmp_path, dit_source):
+    sd = reference_names(dit_source)
+    bad = dict(sd)
+    del bad["blocks.1.mlp.vid.proj_in.weight"]
+    bad["blocks.1.extra.weight"] = torch.zeros(32, 32)
+    bad["txt_in.weight"] = torch.zeros(TINY.vid_dim, 4096)
+    path = save_gguf(bad, tmp_path / "bad.gguf", q8_0)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(NaDiT(TINY), path)
+    msg = str(err.value)
+    assert "missing (1):\n    blocks.1.mlp.vid.proj_in.weight" in msg
+    assert "unexpected (1):\n    blocks.1.extra.weight" in msg
+    assert "mis-shaped (1):\n    txt_in.weight: checkpoint (96, 4096), model (96, 5120)" in msg
+    # a prefix on some tensors only is one line
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "mixed.gguf"), "seedvr2")
+    w.add_tensor("model.diffusion_model.a", torch.zeros(4).numpy())
+    w.add_tensor("b", torch.zeros(4).numpy())
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(NaDiT(TINY), tmp_path / "mixed.gguf")
+    assert "named model.diffusion_model.* but 1 are not (b)" in str(err.value) and "\n" not in str(err.value)
+    # the prefix is optional (a file without it loads the same)
+    bare = write_gguf(tmp_path / "bare.gguf", [(k, v, q8_0(k, v.shape)) for k, v in sd.items()], prefix="")
+    assert formats_held(build_model(TINY, checkpoint=bare)) == {"Q8_0": 36}
+
+
+def test_fp8_scales_and_values_are_checked(tmp_path, dit_source):
+    from safetensors.torch import load_file, save_file
+
+    path = save_fp8(reference_names(dit_source), tmp_path / "s.safetensors", scaled=True)
+    sd = load_file(path)
+    sd["vid_out_ada.out_scale.scale_weight"] = torch.tensor(2.0)  # a scale with no FP8 weight
+    raw = sd["txt_in.weight"].view(torch.uint8).clone()
+    raw[0, :3] = 0x7F  # e4m3fn NaN
+    sd["txt_in.weight"] = raw.view(torch.float8_e4m3fn)
+    save_file(sd, tmp_path / "bad.safetensors")
+    with pytest.raises(CheckpointError, match=r"unexpected \(1\):\n    vid_out_ada.out_scale.scale_weight"):
+        load_checkpoint(NaDiT(TINY), tmp_path / "bad.safetensors")
+    del sd["vid_out_ada.out_scale.scale_weight"]
+    save_file(sd, tmp_path / "nan.safetensors")
+    model = NaDiT(TINY)
+    with pytest.raises(CheckpointError, match=r"non-finite \(1\):\n    txt_in.weight: 3 NaN, 0 Inf"):
+        load_checkpoint(model, tmp_path / "nan.safetensors")
+    assert not is_quantized(model), "nothing is loaded on failure"
+
+
+def test_quantized_model_casts_and_moves_as_a_whole(files, inputs):
+    model = build_model(TINY, checkpoint=files["fp8_e4m3fn"])
+    raw = {n: o.clone() for n, _, _, o in quantized_weights(model)}
+    model.to(torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and model.txt_in.weight.dtype == torch.bfloat16
+    assert all(torch.equal(o, raw[n]) for n, _, _, o in quantized_weights(model)), "stored bytes untouched"
+    vid, txt = inputs
+    with torch.no_grad():
+        assert model(vid, txt, 1000.0).dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------------- VAE
+
+# The seeded tiny VAE amplifies weight error (measured decode error: scaled e4m3 0.11, Q8_0 0.038,
+# Q4_K_M 0.18; unscaled e4m3 0.36, its small kernels fall in FP8's subnormal range); bounds ~2x.
+
+VAE_FORMATS = {
+    "fp8_e4m3fn": (lambda sd, p: save_fp8(sd, p / "vae_fp8.safetensors", scaled=True), 0.22),
+    "Q8_0": (lambda sd, p: save_gguf(sd, p / "vae-Q8_0.gguf", q8_0, prefix=""), 0.08),
+    "Q4_K_M": (lambda sd, p: save_gguf(sd, p / "vae-Q4_K_M.gguf", q4_k_m, prefix=""), 0.35),
+}
+
+
+@pytest.fixture(scope="module")
+def vae_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vae")
+    sd = seeded_vae(VAE_TINY).state_dict()
+    return {k: str(w(sd, d)) for k, (w, _) in VAE_FORMATS.items()}
+
+
+def latent(seed=2):
+    return torch.randn(1, 16, 2, 4, 5, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("fmt", list(VAE_FORMATS))
+def test_vae_formats_quantize_convolutions_and_match_float(vae_files, fmt, one_thread):
+    with torch.device("meta"):
+        vae = VideoVAE(VAE_TINY)
+    load_vae(vae, vae_files[fmt])
+    names = [n for n, *_ in quantized_weights(vae)]
+    assert any(n.endswith("conv1.weight") for n in names) and any(".upscale_conv." in n for n in names)
+    assert any(".to_q." in n for n in names)
+    src = seeded_vae(VAE_TINY)
+    z = latent()
+    with torch.no_grad():
+        out = vae.decode(z)
+        exact = dequantized_copy(vae, VideoVAE, VAE_TINY).decode(z)
+        ref = src.decode(z)
+    assert rel(out, exact) <= 1e-5
+    assert 0 < rel(out, ref) <= VAE_FORMATS[fmt][1]
+
+
+def test_vae_strictness_lists_keys_for_gguf(tmp_path):
+    sd = seeded_vae(VAE_TINY).state_dict()
+    del sd["decoder.conv_out.bias"]
+    sd["encoder.conv_in.weight"] = torch.zeros(16, 3, 1, 3, 3)
+    path = save_gguf(sd, tmp_path / "bad.gguf", q8_0, prefix="")
+    with pytest.raises(VaeCheckpointError) as e:
+        load_vae(VideoVAE(VAE_TINY), path)
+    assert "missing (1)" in str(e.value) and "decoder.conv_out.bias" in str(e.value)
+    assert "encoder.conv_in.weight: checkpoint (16, 3, 1, 3, 3), model (16, 3, 3, 3, 3)" in str(e.value)
+
+
+# ------------------------------------------------------------------------------------- SP
+
+
+@torch.no_grad()
+def quantized_sp_forward(ctx, dit_path, vae_path):
+    torch.set_num_threads(1)
+    model = build_model(TINY, checkpoint=dit_path)
+    vid, txt = random_inputs(TINY, GRID, seed=1)
+    rt = parallelize(TINY, ParallelConfig(ulysses_degree=ctx.world_size), GRID, ctx.group)
+    out = model(vid, txt, 1000.0, runtime=rt)
+    with torch.device("meta"):
+        vae = VideoVAE(VAE_TINY)
+    load_vae(vae, vae_path)
+    dec = ParallelVAE(vae, Comm(ctx.group)).decode(latent(), mode="height")
+    one = ParallelVAE(vae).decode(latent(), mode="replicated")
+    return out, rel(dec, one)
+
+
+@pytest.mark.parametrize("dit_fmt,vae_fmt", [("Q4_K_M", "Q8_0"), ("fp8_e4m3fn_scaled", "fp8_e4m3fn")])
+def test_quantized_weights_under_sp2_match_one_device(clusters, files, vae_files, inputs, dit_fmt, vae_fmt,
+                                                       one_thread):
+    single = build_model(TINY, checkpoint=files[dit_fmt])
+    vid, txt = inputs
+    with torch.no_grad():
+        ref = single(vid, txt, 1000.0)
+    results = clusters(2).run(quantized_sp_forward, files[dit_fmt], vae_files[vae_fmt])
+    for out, vae_err in results:
+        assert rel(out, ref) <= 1e-5
+        assert vae_err <= 1e-5
