@@ -39,6 +39,7 @@ class ModelSpec:
     checkpoint: str | None = None
     dtype: str = "fp32"
     seed: int = 0
+    weights_dtype: str | None = None  # "fp8"/"fp8_e5m2": weights quantized at load (ditsp/weights)
 
 
 @dataclass(frozen=True)
@@ -63,10 +64,11 @@ class RunSpec:
     exact_memory: bool = False
     # Fixed-shape kernel calls (ditsp.fixed_shape): the output equals one device's bit for bit.
     deterministic: bool = True
+    weights_dtype: str | None = None
 
     @property
     def model_spec(self) -> ModelSpec:
-        return ModelSpec(self.model, self.layers, self.checkpoint, self.dtype, self.seed)
+        return ModelSpec(self.model, self.layers, self.checkpoint, self.dtype, self.seed, self.weights_dtype)
 
 
 def build_model(spec: ModelSpec, device: torch.device | str = "cpu"):
@@ -74,7 +76,7 @@ def build_model(spec: ModelSpec, device: torch.device | str = "cpu"):
     from .models.seedvr2.nadit.model import build_model as build_nadit
 
     return build_nadit(spec.model, spec.layers, spec.checkpoint, seed=spec.seed, dtype=DTYPES[spec.dtype],
-                       device=device)
+                       device=device, weights_dtype=spec.weights_dtype)
 
 
 def build_for(spec: RunSpec, device: torch.device | str = "cpu"):

@@ -277,3 +277,44 @@ def test_quantized_weights_under_sp2_match_one_device(clusters, files, vae_files
     for out, vae_err in results:
         assert rel(out, ref) <= 1e-5
         assert vae_err <= 1e-5
+
+
+# ------------------------------------------------------------------------------------- front doors
+
+
+def test_upscale_with_gguf_dit_and_fp8_vae(tmp_path, files, vae_files, capsys):
+    import json
+
+    from ditsp.cli import main
+    from ditsp.io.testclip import make_test_clip
+
+    clip = make_test_clip(str(tmp_path / "in.mp4"), width=32, height=32, frames=5, fps=12, audio=False)
+    out = tmp_path / "out.mp4"
+    rc = main(["upscale", str(clip), "-o", str(out), "--dit", files["Q4_K_M"], "--vae", vae_files["fp8_e4m3fn"],
+               "--resolution", "32x32", "--json", "--no-progress"])
+    assert rc == 0 and out.exists()
+    report = json.loads(capsys.readouterr().out)
+    assert "DiT weights Q4_K+Q6_K+Q8_0" in report["memory_estimate"] and "dequant buffer" in report["memory_estimate"]
+
+
+def test_run_and_plan_take_the_weights_dtype(capsys):
+    import json
+
+    from ditsp.cli import main
+
+    assert main(["run", "--model", "tiny", "--grid", "3,8,12", "--sp", "1", "--weights-dtype", "fp8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["spec"]["weights_dtype"] == "fp8"
+    assert main(["plan", "--resolution", "1280x720", "--frames", "81", "--sp", "4", "--weights-dtype", "Q4_K_M",
+                 "--json"]) == 0
+    m = json.loads(capsys.readouterr().out)["memory_per_rank"]
+    assert m["weights_format"] == "Q4_K_M" and 1.9 * 2**30 < m["weights"] < 2.2 * 2**30 and m["dequant_buffer"] > 0
+
+
+def test_weights_package_is_model_agnostic():
+    from pathlib import Path
+
+    import ditsp.weights as w
+
+    for f in Path(w.__file__).parent.glob("*.py"):
+        assert "models" not in "".join(ln for ln in f.read_text().splitlines(True) if ln.lstrip().startswith(
+            ("import", "from"))), f

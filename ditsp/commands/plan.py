@@ -6,6 +6,7 @@ import argparse
 import json
 
 from ..models.seedvr2.nadit.config import PRESETS, get_config
+from ..weights.sizing import ESTIMATE_FORMATS
 from .common import (add_plan_limit_args, add_request_args, check_layers, check_output_file, check_plan_size,
                      check_planner, positive_int, resolve_grid)
 
@@ -19,6 +20,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default="seedvr2-3b", choices=sorted(PRESETS))
     p.add_argument("--layers", type=positive_int, help="override the model's layer count")
     p.add_argument("--planner", default="lpt", help="window planner (lpt, ...) or 'all' to compare")
+    p.add_argument("--weights-dtype", default="bf16", choices=list(ESTIMATE_FORMATS),
+                   help="how the DiT's weights are stored on each rank, for the memory estimate (FP8 and GGUF: "
+                        "quantized, plus one layer's dequantization buffer)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--compact", action="store_true", help="JSON on one line")
     p.add_argument("--plot", metavar="FILE.png", help="write a picture of the plan")
@@ -40,6 +44,10 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     planners = planner_names() if args.planner == "all" else [args.planner]
     for name in planners:  # every refusal before any planning
         check_plan_size(parser, args, grid, cfg, args.sp, name, REPORT_BYTES_PER_PAIR)
+    from ..models.seedvr2.weight_memory import dit_weights
+
+    weights = None if args.weights_dtype == "bf16" else dit_weights(args.model, "bf16", fmt=args.weights_dtype,
+                                                                   layers=args.layers)
     summaries, schedules = [], []
     with plan_limits(args.max_plan_memory, args.max_plan_seconds):
         for name in planners:
@@ -48,7 +56,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             except ValueError as e:
                 parser.error(str(e))
             schedules.append(schedule)
-            summaries.append(summarize(schedule, cfg))
+            summaries.append(summarize(schedule, cfg, weights))
     if args.json:
         out = summaries[0] if len(summaries) == 1 else {s["planner"]: s for s in summaries}
         if notes:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..engine import DTYPES
 from ..memory import RANK_BASE_BYTES, RANKS_PER_CORE_LIMIT
+from ..weights.fp8 import WEIGHTS_DTYPES
 from ..models.seedvr2.nadit.config import PRESETS
 from .common import (add_deterministic_arg, add_plan_limit_args, add_request_args, check_layers, check_plan_size, check_planner,
                      nonneg_int, positive_float, positive_int, resolve_grid)
@@ -30,8 +31,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--sp", type=positive_int, required=True, help="sequence-parallel degree (ranks)")
     p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--layers", type=positive_int, help="override the model's layer count")
-    p.add_argument("--checkpoint", help=".pth or .safetensors with the reference key names (else seeded weights)")
+    p.add_argument("--checkpoint", help=".pth, .safetensors (float or FP8) or .gguf with the reference key names "
+                                        "(else seeded weights)")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--weights-dtype", default="stored", choices=list(WEIGHTS_DTYPES),
+                   help="keep float weights as stored (cast to --dtype) or quantize them to FP8 at load")
     p.add_argument("--planner", default=None,
                    help="window planner (lpt, locality); giving one runs Plan A with it even under --path auto")
     p.add_argument("--path", default="auto", choices=["window", "ulysses", "halo", "auto"],
@@ -74,15 +78,26 @@ class RankMemory:
 
 
 def estimate_rank_memory(cfg, dtype: str, grid, sp: int, checkpoint: str | None, plan_bytes: int,
-                         spawned: bool, check: bool) -> RankMemory:
-    """Weights (``cfg.param_count()`` x dtype bytes) + activations of the rank's token share + the rest."""
+                         spawned: bool, check: bool, weights_dtype: str | None = None) -> RankMemory:
+    """Weights as kept (stored format + one layer's dequantization buffer) + activations of the rank's
+    token share + the rest."""
+    from ..weights.sizing import by_format, of_checkpoint
+
     e = DTYPES[dtype].itemsize
     tokens = grid[0] * grid[1] * grid[2]
     share = -(-tokens // sp)
     per_token = (6 * cfg.vid_dim + 2 * cfg.mlp_hidden) * e  # residual, norm, q/k/v, attention out, MLP hidden
     weights = cfg.param_count() * e
     if checkpoint and os.path.isfile(checkpoint):
-        weights += os.path.getsize(checkpoint)  # the file's tensors until they are copied in
+        try:
+            weights = of_checkpoint(checkpoint, dtype, weights_dtype).total  # streamed: no second copy
+        except ValueError:
+            pass  # an unreadable file fails with its own message when the ranks load it
+    elif weights_dtype:
+        from ..models.seedvr2.weight_memory import dit_shapes
+
+        weights = by_format(dict(dit_shapes(cfg.name, cfg.num_layers)) if cfg.name in PRESETS else {}, weights_dtype,
+                            dtype).total or weights
     io = tokens * (cfg.patch_channels + 2 * cfg.out_patch_channels) * 4  # fp32 input, output and its gather
     parent = (cfg.param_count() * e + tokens * per_token) if check else 0
     return RankMemory(RANK_BASE_BYTES if spawned else 0, int(weights), int(share * per_token), int(io),
@@ -97,7 +112,8 @@ def check_resources(parser: argparse.ArgumentParser, args: argparse.Namespace, c
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     local = int(os.environ.get("LOCAL_WORLD_SIZE", args.sp)) if torchrun else args.sp
     spawned = local > 1 and not torchrun
-    est = estimate_rank_memory(cfg, args.dtype, grid, args.sp, args.checkpoint, plan_bytes, spawned, args.check)
+    est = estimate_rank_memory(cfg, args.dtype, grid, args.sp, args.checkpoint, plan_bytes, spawned, args.check,
+                               None if args.weights_dtype == "stored" else args.weights_dtype)
     cores = os.cpu_count() or 1
     if args.force:
         if spawned:
@@ -152,7 +168,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     check_resources(parser, args, cfg, grid, plan.bytes)
     spec = RunSpec(model=args.model, grid=grid, sp=args.sp, layers=args.layers, checkpoint=args.checkpoint,
                    dtype=args.dtype, planner=args.planner, path=args.path, seed=args.seed,
-                   warmup=args.warmup, repeats=args.repeats, deterministic=args.deterministic)
+                   warmup=args.warmup, repeats=args.repeats, deterministic=args.deterministic,
+                   weights_dtype=None if args.weights_dtype == "stored" else args.weights_dtype)
     try:
         with plan_limits(args.max_plan_memory, args.max_plan_seconds):
             summary = run(spec, check=args.check, threads=args.threads, timeout_s=args.timeout)

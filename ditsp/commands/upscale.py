@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from .common import add_deterministic_arg
+from ..weights.fp8 import WEIGHTS_DTYPES
 
 VIDEO_OUT = (".mp4", ".mov", ".mkv")
 IMAGE_OUT = (".png", ".jpg", ".jpeg", ".webp")
@@ -28,8 +29,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree: local ranks to spawn (torchrun: joins)")
     p.add_argument("--model", default="tiny", choices=["seedvr2-3b", "seedvr2-7b", "tiny", "tiny-7b"],
                    help="DiT and VAE preset (tiny: seeded tiny models, a smoke test)")
-    p.add_argument("--dit", metavar="CKPT", help="DiT checkpoint (.pth/.safetensors), e.g. seedvr2_ema_3b.pth")
-    p.add_argument("--vae", metavar="CKPT", help="VAE checkpoint (.pth/.safetensors), e.g. ema_vae.pth")
+    p.add_argument("--dit", metavar="CKPT", help="DiT checkpoint (.pth/.safetensors/.gguf; fp16/bf16/fp32, FP8 or GGUF), "
+                                                 "e.g. seedvr2_ema_3b.pth, seedvr2_ema_3b_fp8_e4m3fn.safetensors")
+    p.add_argument("--vae", metavar="CKPT", help="VAE checkpoint (.pth/.safetensors/.gguf), e.g. ema_vae.pth")
     p.add_argument("--text-embedding", metavar="FILE", help="text embedding, e.g. pos_emb.pt")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--resolution", metavar="WxH", help="target area W*H, aspect kept (reference default 1280x720)")
@@ -44,6 +46,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    choices=["auto", "replicated", "chunked", "time", "height", "height+chunks", "tiled"])
     p.add_argument("--vae-chunk", type=int, default=1, help="latent frames per causal chunk in chunked VAE modes")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 for seedvr2-*, fp32 for tiny")
+    p.add_argument("--weights-dtype", default="stored", choices=list(WEIGHTS_DTYPES),
+                   help="how the rank keeps float weights: as stored (cast to --dtype; FP8/GGUF files stay "
+                        "quantized) or quantized to FP8 at load; dequantized per layer for the arithmetic")
     p.add_argument("--planner", default=None, choices=["lpt", "locality"],
                    help="window planner of the DiT (default: the SP path is chosen by the cost model)")
     p.add_argument("--max-memory", type=float, metavar="GiB",
@@ -154,7 +159,8 @@ def build_request(args):
     elif args.overlap < 0:
         raise ValueError(f"--overlap must be >= 0, got {args.overlap}")
     dtype = args.dtype or ("bf16" if args.model.startswith("seedvr2") else "fp32")
-    weights = WeightsSpec(args.model, args.dit, args.vae, args.text_embedding, dtype)
+    weights_dtype = None if args.weights_dtype == "stored" else args.weights_dtype
+    weights = WeightsSpec(args.model, args.dit, args.vae, args.text_embedding, dtype, weights_dtype=weights_dtype)
     req = UpscaleRequest(
         input=args.input, output=args.output, weights=weights, area=area, size=size, seed=args.seed,
         color_fix=args.color_fix, window_frames=args.window_frames, overlap=args.overlap, vae_mode=args.vae_mode,
@@ -169,15 +175,21 @@ def build_request(args):
 def check_memory(req, geo, window: int, args) -> str:
     """The estimate's line; raises MemoryError naming what would fit when it does not."""
     from ..models.seedvr2.budget import GiB, available_bytes, estimate, suggestions
+    from ..models.seedvr2.weight_memory import dit_weights
+    from ..weights import FormatError
 
     local = 1 if "WORLD_SIZE" in os.environ else req.sp
     budget = int(args.max_memory * GiB) if args.max_memory else available_bytes(local)
-    est = estimate(req.weights.model, req.weights.dtype, window, geo.out_hw, req.sp, req.vae_mode,
-                   budget if req.vae_mode == "auto" else None, req.vae_chunk)
+    w = req.weights
+    try:  # the DiT's weights as the rank will keep them (a checkpoint's header, or the format asked for)
+        kept = dit_weights(w.model, w.dtype, checkpoint=w.dit, weights_dtype=w.weights_dtype)
+    except FormatError as e:
+        raise ValueError(f"--dit {e}") from None
+    est = estimate(w.model, w.dtype, window, geo.out_hw, req.sp, req.vae_mode,
+                   budget if req.vae_mode == "auto" else None, req.vae_chunk, weights=kept)
     line = f"memory estimate: {est.describe()}; budget {budget / GiB:.2f} GiB per rank"
     if est.total > budget and not args.force:
-        fits = suggestions(req.weights.model, req.weights.dtype, window, geo.out_hw, req.sp, req.vae_mode, budget,
-                           window)
+        fits = suggestions(w.model, w.dtype, window, geo.out_hw, req.sp, req.vae_mode, budget, window, weights=kept)
         hint = ("; would fit: " + ", ".join(fits)) if fits else "; nothing smaller fits (try a smaller --resolution)"
         raise MemoryError(f"{line}: does not fit{hint} (or pass --force)")
     return line

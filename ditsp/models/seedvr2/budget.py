@@ -17,6 +17,7 @@ from ...memory import available_bytes  # noqa: F401 - re-exported for the upscal
 from .nadit.config import get_config
 from .vae.config import PRESETS as VAE_PRESETS
 from .weights import MODELS
+from ...weights.sizing import WeightBytes
 
 GiB = 2**30
 ELEM = {"fp32": 4, "bf16": 2}
@@ -53,25 +54,32 @@ def pipeline_vae_mode(vae_cfg, shape: tuple[int, int, int], world: int, budget: 
 
 @dataclass(frozen=True)
 class Estimate:
-    dit_weights: int
+    dit_weights: int  # as kept: quantized weights at their stored size
     dit_activations: int
     latents: int
     vae: int
     vae_mode: str
+    dit_dequant: int = 0  # one layer's dequantized weight (quantized formats only)
+    weights_fmt: str = ""
 
     @property
     def total(self) -> int:
-        return self.dit_weights + self.dit_activations + self.latents + self.vae
+        return self.dit_weights + self.dit_dequant + self.dit_activations + self.latents + self.vae
 
     def describe(self) -> str:
-        return (f"{self.total / GiB:.2f} GiB per rank (DiT weights {self.dit_weights / GiB:.2f}, DiT activations "
-                f"{self.dit_activations / GiB:.2f}, latents {self.latents / GiB:.2f}, VAE {self.vae_mode} "
+        fmt = f" {self.weights_fmt}" if self.weights_fmt else ""
+        dq = f" + dequant buffer {self.dit_dequant / GiB:.2f}" if self.dit_dequant else ""
+        return (f"{self.total / GiB:.2f} GiB per rank (DiT weights{fmt} {self.dit_weights / GiB:.2f}{dq}, DiT "
+                f"activations {self.dit_activations / GiB:.2f}, latents {self.latents / GiB:.2f}, VAE {self.vae_mode} "
                 f"{self.vae / GiB:.2f})")
 
 
 def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: int, vae_mode: str = "auto",
-             budget: int | None = None, vae_chunk: int = 1) -> Estimate:
-    """Modelled peak bytes per rank for one window of ``frames`` frames at output size ``out_hw``."""
+             budget: int | None = None, vae_chunk: int = 1, weights: WeightBytes | None = None) -> Estimate:
+    """Modelled peak bytes per rank for one window of ``frames`` frames at output size ``out_hw``.
+
+    ``weights``: the DiT's weights as kept (:func:`.weight_memory.dit_weights`: stored format and
+    dequantization buffer); default: every parameter in ``dtype``."""
     from .pipeline.padding import padded_length
     from .vae.memory import choose_mode
     from .vae.memory import estimate as vae_estimate
@@ -96,21 +104,23 @@ def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: i
         except MemoryError:
             mode = "tiled"
     vae = max(vae_estimate(vcfg, op, shape, sp, mode, vdtype, vae_chunk).total for op in ("encode", "decode"))
-    return Estimate(cfg.param_count() * e, int(dit_act), int(latents), int(vae), mode)
+    if weights is None:
+        return Estimate(cfg.param_count() * e, int(dit_act), int(latents), int(vae), mode)
+    return Estimate(weights.kept, int(dit_act), int(latents), int(vae), mode, weights.buffer, weights.fmt)
 
 
 def suggestions(model: str, dtype: str, frames: int, out_hw, sp: int, vae_mode: str, budget: int,
-                window_frames: int) -> list[str]:
-    """What would fit ``budget`` per rank: more ranks, another VAE mode, shorter windows."""
+                window_frames: int, weights: WeightBytes | None = None) -> list[str]:
+    """What would fit ``budget`` per rank: more ranks, another VAE mode, shorter windows, smaller weights."""
     out = []
     for more in (2 * sp, 4 * sp, 8 * sp):
-        e = estimate(model, dtype, frames, out_hw, more, vae_mode, budget)
+        e = estimate(model, dtype, frames, out_hw, more, vae_mode, budget, weights=weights)
         if e.total <= budget:
             out.append(f"--sp {more} ({e.total / GiB:.1f} GiB per rank)")
             break
     for mode in ("height+chunks", "chunked", "tiled"):
         if mode != vae_mode:
-            e = estimate(model, dtype, frames, out_hw, sp, mode, budget)
+            e = estimate(model, dtype, frames, out_hw, sp, mode, budget, weights=weights)
             if e.total <= budget:
                 out.append(f"--vae-mode {mode} ({e.total / GiB:.1f} GiB per rank"
                            f"{', approximate' if mode == 'tiled' else ''})")
@@ -118,7 +128,7 @@ def suggestions(model: str, dtype: str, frames: int, out_hw, sp: int, vae_mode: 
     f = frames
     while f > 5:
         f = max(5, ((f // 2 - 1) // 4) * 4 + 1)
-        e = estimate(model, dtype, f, out_hw, sp, vae_mode, budget)
+        e = estimate(model, dtype, f, out_hw, sp, vae_mode, budget, weights=weights)
         if e.total <= budget:
             out.append(f"--window-frames {f} ({e.total / GiB:.1f} GiB per rank)")
             break
@@ -126,4 +136,23 @@ def suggestions(model: str, dtype: str, frames: int, out_hw, sp: int, vae_mode: 
         e = estimate(model, "bf16", frames, out_hw, sp, vae_mode, budget)
         if e.total <= budget:
             out.append(f"--dtype bf16 ({e.total / GiB:.1f} GiB per rank)")
+    out += _smaller_weights(model, dtype, frames, out_hw, sp, vae_mode, budget, weights)
     return out
+
+
+def _smaller_weights(model, dtype, frames, out_hw, sp, vae_mode, budget, weights) -> list[str]:
+    """The first smaller DiT format that fits: FP8 at load, then a Q8_0 or Q4_K_M GGUF file."""
+    from .weight_memory import dit_weights
+
+    if dtype not in ("bf16", "fp32"):
+        return []
+    now = weights.kept if weights is not None else get_config(model).param_count() * ELEM[dtype]
+    for fmt, hint in (("fp8_e4m3fn", "--weights-dtype fp8"), ("Q8_0", "a Q8_0 GGUF --dit"),
+                      ("Q4_K_M", "a Q4_K_M GGUF --dit")):
+        w = dit_weights(model, dtype, fmt=fmt)
+        if w.kept >= now:
+            continue
+        e = estimate(model, dtype, frames, out_hw, sp, vae_mode, budget, weights=w)
+        if e.total <= budget:
+            return [f"{hint} ({e.total / GiB:.1f} GiB per rank)"]
+    return []

@@ -15,7 +15,8 @@ BF16 = 2
 ATTN_ROWS = 12.5
 
 
-def memory_estimate(schedule: SchedulePlan, cfg: NaDiTConfig, dtype_bytes: int = BF16, feed: str = "rows") -> dict:
+def memory_estimate(schedule: SchedulePlan, cfg: NaDiTConfig, dtype_bytes: int = BF16, feed: str = "rows",
+                    weights=None) -> dict:
     """Peak memory of the most loaded rank of a window-SP forward, by part (bytes).
 
     ``activations`` is the block's peak (the larger of the MLP and attention
@@ -27,7 +28,9 @@ def memory_estimate(schedule: SchedulePlan, cfg: NaDiTConfig, dtype_bytes: int =
     all-gather of every rank's padded share plus the canonical and unpatched
     copies of the whole output. ``peak_added`` is what a forward adds to a
     rank holding the weights and its input (the largest phase);
-    ``total`` adds the weights and the input.
+    ``total`` adds the weights and the input. ``weights`` (a
+    :class:`~ditsp.weights.sizing.WeightBytes`) counts them as stored (FP8, GGUF) plus one layer's
+    dequantization buffer; default: every parameter in the compute dtype.
     """
     if feed not in ("rows", "canonical"):
         raise ValueError(f"feed must be 'rows' or 'canonical', got {feed!r}")
@@ -48,12 +51,13 @@ def memory_estimate(schedule: SchedulePlan, cfg: NaDiTConfig, dtype_bytes: int =
     phases = {"activations": max(mlp, attention), "mlp": mlp, "attention": attention, "exchange": exchange,
               "output": output}
     peak = max(mlp, attention, exchange, output)
-    weights = cfg.param_count() * b
-    return {"rank_tokens": n, "weights": weights, "input": inputs, **phases, "peak_added": peak,
-            "total": weights + inputs + peak, "feed": feed, "dtype_bytes": b}
+    kept, buffer, fmt = (cfg.param_count() * b, 0, "bf16" if b == BF16 else f"{8 * b}-bit") if weights is None \
+        else (weights.kept, weights.buffer, weights.fmt)
+    return {"rank_tokens": n, "weights": kept, "weights_format": fmt, "dequant_buffer": buffer, "input": inputs,
+            **phases, "peak_added": peak, "total": kept + buffer + inputs + peak, "feed": feed, "dtype_bytes": b}
 
 
-def summarize(schedule: SchedulePlan, cfg: NaDiTConfig) -> dict:
+def summarize(schedule: SchedulePlan, cfg: NaDiTConfig, weights=None) -> dict:
     """The plan of one request as a plain dict (the ``--json`` schema)."""
     p = schedule.world_size
     layouts = {}
@@ -91,7 +95,7 @@ def summarize(schedule: SchedulePlan, cfg: NaDiTConfig) -> dict:
         "bytes_per_forward": {"window_sp": wsp.total, "ulysses": uly.total},
         "bytes_breakdown": {"window_sp": wsp.as_dict(), "ulysses": uly.as_dict()},
         "ulysses_heads_divisible": cfg.heads % p == 0,
-        "memory_per_rank": memory_estimate(schedule, cfg),
+        "memory_per_rank": memory_estimate(schedule, cfg, weights=weights),
     }
 
 
@@ -107,6 +111,13 @@ def plan_request(grid, cfg: NaDiTConfig, world_size: int, planner: str = "lpt") 
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+def _weights(m: dict) -> str:
+    if not m.get("dequant_buffer"):
+        fmt = m.get("weights_format")
+        return f"{_gib(m['weights'])}" + (f" ({fmt})" if fmt and fmt != "bf16" else "")
+    return f"{_gib(m['weights'])} ({m['weights_format']}) + dequant buffer {_gib(m['dequant_buffer'])}"
 
 
 def format_summary(summary: dict, notes: list[str] = ()) -> str:
@@ -140,7 +151,7 @@ def format_summary(summary: dict, notes: list[str] = ()) -> str:
     if m:
         lines.append(
             f"memory per rank (bf16, window SP, most loaded rank {m['rank_tokens']:,} tokens): "
-            f"total {_gib(m['total'])} = weights {_gib(m['weights'])} + input {_gib(m['input'])} + peak "
+            f"total {_gib(m['total'])} = weights {_weights(m)} + input {_gib(m['input'])} + peak "
             f"{_gib(m['peak_added'])} (MLP {_gib(m['mlp'])}, attention workspace {_gib(m['attention'])}, "
             f"exchange buffers {_gib(m['exchange'])}, output {_gib(m['output'])})"
         )
