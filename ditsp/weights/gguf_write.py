@@ -90,39 +90,67 @@ def encode(a: np.ndarray, fmt: str) -> np.ndarray:
     return gguf.quants.quantize(a.astype(np.float32), qtype(fmt))
 
 
-def write_gguf(path: str | os.PathLike, tensors: Iterable[tuple[str, torch.Tensor, str]],
+class Lazy:
+    """A tensor made only when it is written (benchmark files larger than memory): ``shape`` and ``make()``."""
+
+    def __init__(self, shape, make):
+        self.shape, self.make = tuple(shape), make
+
+
+def _layout(name: str, shape: tuple, fmt: str, prefix: str):
+    """(stored numpy shape, orig_shape metadata or None) of one tensor."""
+    from .ggml import block
+
+    per = block(fmt)[0] if fmt not in ("F32", "F16", "BF16") else 1
+    numel = int(np.prod(shape)) if shape else 1
+    if len(shape) > 4 or (shape and shape[-1] % per):
+        # GGUF holds 4 dims and whole blocks per row: store the values as rows that fit, and the
+        # model's shape in the metadata (ComfyUI's convention).
+        rows = (shape[0], numel // shape[0]) if shape[-1] % per == 0 and (numel // shape[0]) % per == 0 \
+            else (numel // per, per)
+        return rows, list(shape)
+    return tuple(shape), None
+
+
+def write_gguf(path: str | os.PathLike, tensors: Iterable[tuple[str, "torch.Tensor | Lazy", str]],
                prefix: str = "model.diffusion_model.", arch: str = "seedvr2") -> str:
-    """Write ``(name, tensor, fmt)`` triples (fmt "F32"/"F16"/"BF16" or a quantized type) atomically."""
+    """Write ``(name, tensor, fmt)`` triples (fmt "F32"/"F16"/"BF16" or a quantized type) atomically,
+    one tensor in memory at a time (a :class:`Lazy` tensor is made when it is written)."""
     import gguf
 
     from .ggml import block, qtype
 
+    items = list(tensors)
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     w = gguf.GGUFWriter(tmp, arch)
-    for name, t, fmt in tensors:
-        a = t.detach().float().cpu().numpy()
-        shape = tuple(a.shape)
-        per = block(fmt)[0] if fmt not in ("F32", "F16", "BF16") else 1
-        if a.ndim > 4 or (a.ndim and a.shape[-1] % per):
-            # GGUF holds 4 dims and whole blocks per row: store the values as rows that fit, and the
-            # model's shape in the metadata (ComfyUI's convention).
-            a = a.reshape(shape[0], -1) if a.shape[-1] % per == 0 and a.size // shape[0] % per == 0 \
-                else a.reshape(-1, per)
-            w.add_array(GGUF_ORIG_SHAPE + prefix + name, list(shape))
+    layouts = []
+    for name, t, fmt in items:
+        rows, orig = _layout(name, tuple(t.shape), fmt, prefix)
+        if orig is not None:
+            w.add_array(GGUF_ORIG_SHAPE + prefix + name, orig)
+        numel = int(np.prod(rows)) if rows else 1
         if fmt == "F32":
-            w.add_tensor(prefix + name, a.astype(np.float32))
+            w.add_tensor_info(prefix + name, rows, np.dtype(np.float32), numel * 4)
         elif fmt == "F16":
-            w.add_tensor(prefix + name, a.astype(np.float16))
-        elif fmt == "BF16":
-            bf = t.detach().cpu().to(torch.bfloat16).reshape(a.shape).view(torch.int16).numpy().view(np.uint8)
-            w.add_tensor(prefix + name, bf.reshape(a.shape[:-1] + (a.shape[-1] * 2,)), raw_dtype=qtype("BF16"))
+            w.add_tensor_info(prefix + name, rows, np.dtype(np.float16), numel * 2)
         else:
-            w.add_tensor(prefix + name, encode(a, fmt), raw_dtype=qtype(fmt))
+            per, size = (1, 2) if fmt == "BF16" else block(fmt)
+            w.add_tensor_info(prefix + name, rows, np.dtype(np.float32), numel // per * size, raw_dtype=qtype(fmt))
+        layouts.append(rows)
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        w.write_ti_data_to_file()
+        for (name, t, fmt), rows in zip(items, layouts):
+            t = t.make() if isinstance(t, Lazy) else t
+            if fmt == "BF16":
+                a = t.detach().cpu().to(torch.bfloat16).reshape(rows).view(torch.int16).numpy().view(np.uint8)
+            else:
+                a = t.detach().float().cpu().numpy().reshape(rows)
+                a = a.astype(np.float32) if fmt == "F32" else a.astype(np.float16) if fmt == "F16" else encode(a, fmt)
+            w.write_tensor_data(np.ascontiguousarray(a))
+            del a, t
     finally:
         w.close()
     os.replace(tmp, path)
