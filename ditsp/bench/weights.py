@@ -7,7 +7,7 @@ ways: the peak of anonymous memory (the process's own pages, sampled every milli
 rank really holds) and the RSS high-water mark, which also counts the file's pages the memory map
 has touched (clean page cache, shared by every process of the host reading the file, dropped
 under pressure). The bf16 file is also loaded the way ditsp did before streaming (the whole
-state_dict read first, then copied in) for comparison. A table goes to benchmarks/results/weights.md.
+state_dict read, cast to fp32, loaded, then cast to bf16) for comparison. A table goes to benchmarks/results/weights.md.
 """
 
 from __future__ import annotations
@@ -104,9 +104,15 @@ def _status() -> dict[str, int]:
 
 
 def measure(path: str, model: str, layers: int, mode: str) -> dict:
-    """Load ``path`` into a meta-built DiT (``mode`` "streaming", or "whole": the state_dict read
-    first, as before); peaks relative to the process before loading."""
+    """Load ``path`` into a meta-built DiT (``mode`` "streaming", or "before": the previous loader's
+    steps -- the whole file read, every tensor cast to the meta model's fp32, loaded, then cast to
+    bf16); peaks relative to the process before loading, every large allocation its own mapping
+    (``exact_cpu_peaks``: no heap retention in the figures)."""
     import torch
+
+    from ..memory import exact_cpu_peaks
+
+    exact_cpu_peaks()
 
     from ..models.seedvr2.nadit.checkpoint import load_checkpoint
     from ..models.seedvr2.nadit.config import get_config
@@ -132,12 +138,14 @@ def measure(path: str, model: str, layers: int, mode: str) -> dict:
     th = threading.Thread(target=sample, daemon=True)
     th.start()
     t0 = time.perf_counter()
-    if mode == "whole":
+    if mode == "before":
         from safetensors.torch import load_file
 
         sd = load_file(path)
-        load_checkpoint(net, sd, dtype=torch.bfloat16)
-        del sd
+        cast = {k: v.to(torch.float32) for k, v in sd.items()}
+        net.load_state_dict({k.replace(".rope.rope.", ".rope."): v for k, v in cast.items()}, assign=True)
+        del sd, cast
+        net.to(torch.bfloat16)
     else:
         load_checkpoint(net, path, dtype=torch.bfloat16)
     secs = time.perf_counter() - t0
@@ -267,8 +275,11 @@ def main(args: argparse.Namespace, parser=None) -> int:
             t0 = time.perf_counter()
             path = write_file(fmt, folder, args.model, args.layers)
             made = time.perf_counter() - t0
-            modes = ["streaming", "whole"] if fmt == "bf16" else ["streaming"]
+            modes = ["streaming", "before"] if fmt == "bf16" else ["streaming"]
             for mode in modes:
+                with open(path, "rb") as f:  # warm page cache: every load reads from memory, not disk
+                    while f.read(1 << 24):
+                        pass
                 r = _child(path, args.model, args.layers, mode)
                 r.update(fmt=fmt, mode=mode, write_s=made)
                 rows.append(r)
@@ -282,8 +293,8 @@ def main(args: argparse.Namespace, parser=None) -> int:
         f"# Loading a 7B-shaped DiT: peak host memory per format (`ditsp bench weights`)",
         "",
         f"{args.model} tensor names and shapes, {args.layers} of 36 blocks (width 3072), seeded values; bf16 "
-        f"compute; one process per load, one thread; CPU capability {cap}. *peak anon*: the process's own "
-        f"memory (sampled every ms); *peak RSS*: its high-water mark, which also counts the file pages the "
+        f"compute; one process per load, one thread, warm page cache; CPU capability {cap}. *peak anon*: the "
+        f"process's own memory (sampled every ms; every large allocation its own mapping); *peak RSS*: its high-water mark, which also counts the file pages the "
         f"memory map touched (page cache, shared by the host's readers). *kept*: the model's tensors after "
         f"loading; *estimate*: `ditsp/weights/sizing.py` from the file's header.",
         "",
@@ -292,7 +303,7 @@ def main(args: argparse.Namespace, parser=None) -> int:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        lines.append(f"| {r['fmt']} | {'whole state_dict first (before)' if r['mode'] == 'whole' else 'streamed'} "
+        lines.append(f"| {r['fmt']} | {'previous loader (whole file, fp32, then bf16)' if r['mode'] == 'before' else 'streamed'} "
                      f"| {r['file'] / GiB:.2f} | {r['kept'] / GiB:.2f} | {r['estimate'] / GiB:.2f} "
                      f"| {r['buffer'] / 2**20:.0f} | {r['peak_anon'] / GiB:.2f} | {r['peak_anon'] / r['kept']:.2f} "
                      f"| {r['peak_rss'] / GiB:.2f} | {r['seconds']:.1f} |")

@@ -105,7 +105,7 @@ def open_safetensors(path: str) -> Checkpoint:
                 raise FormatError(f"{path}: tensor {k!r} has dtype {sl.get_dtype()}, which torch cannot hold")
             numel = int(np.prod(shape)) if shape else 1
             entries[k] = StoredTensor(k, shape, fmt_of_dtype(dtype), numel * dtype.itemsize,
-                                      (lambda k=k: f.get_tensor(k)))
+                                      (lambda k=k: f.get_tensor(k)))  # a view of the map: copied
     except FormatError:
         raise
     except Exception as e:  # noqa: BLE001 - any reader failure is an unreadable file
@@ -171,7 +171,7 @@ def open_gguf(path: str) -> Checkpoint:
         else:
             read = (lambda t=t: torch.from_numpy(np.array(t.data)))
             fmt = kind.lower()
-        entries[name] = StoredTensor(t.name, shape, fmt, int(t.n_bytes), read)
+        entries[name] = StoredTensor(t.name, shape, fmt, int(t.n_bytes), read, owned=True)
     return Checkpoint(path, "gguf", entries, [prefix] if prefix else [])
 
 

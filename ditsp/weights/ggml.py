@@ -37,11 +37,28 @@ def stored_bytes(name: str, numel: int) -> int:
     return -(-numel // n) * size
 
 
+# Values dequantized per NumPy call: bounds the package's float32 temporaries (a few per value)
+# whatever the weight's size, so one layer's transient is its weight in the compute dtype plus this.
+CHUNK_VALUES = 1 << 20
+
+
+def chunk_bytes() -> int:
+    """Host temporaries of one dequantization step (the package's float32 arrays for one chunk)."""
+    return CHUNK_VALUES * 4 * 4
+
+
 def dequantize(raw: torch.Tensor, fmt: str, shape, dtype: torch.dtype) -> torch.Tensor:
-    """The weight of ``shape`` in ``dtype`` on ``raw``'s device, from GGUF blocks ``raw`` (uint8)."""
+    """The weight of ``shape`` in ``dtype`` on ``raw``'s device, from GGUF blocks ``raw`` (uint8),
+    dequantized in chunks of rows into one output tensor."""
     import gguf
 
     host = raw.detach().cpu().numpy()
-    w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(host, qtype(fmt))))
-    w = w.reshape(tuple(shape))
-    return w.to(device=raw.device, dtype=dtype)
+    host = host.reshape(-1, host.shape[-1]) if host.ndim else host.reshape(1, -1)
+    per, size = block(fmt)
+    row_values = host.shape[1] // size * per
+    step = max(1, CHUNK_VALUES // max(row_values, 1))
+    out = torch.empty((host.shape[0], row_values), dtype=dtype)
+    qt = qtype(fmt)
+    for r in range(0, host.shape[0], step):
+        out[r:r + step] = torch.from_numpy(gguf.quants.dequantize(host[r:r + step], qt))
+    return out.reshape(tuple(shape)).to(device=raw.device)

@@ -49,6 +49,34 @@ def _count_nonfinite(w: torch.Tensor) -> tuple[int, int] | None:
     return int(torch.isnan(w).sum()), int(torch.isinf(w).sum())
 
 
+CHECK_ROWS_VALUES = 1 << 22  # values per NaN/Inf check of stored bytes (bounds the check's fp32 copy)
+
+
+def _nonfinite_stored(raw: torch.Tensor, spec: QuantSpec) -> tuple[int, int] | None:
+    """NaN/Inf of the weight ``raw`` stands for, dequantized a slice of rows at a time."""
+    if spec.fmt in _fp8.FORMATS:
+        flat = raw.reshape(-1)
+        parts = [flat[i:i + CHECK_ROWS_VALUES] for i in range(0, flat.numel(), CHECK_ROWS_VALUES)]
+        total = [0, 0]
+        for p in parts:
+            bad = _count_nonfinite(_fp8.dequantize(p, spec.fmt, (p.numel(),), spec.scale, torch.float32))
+            if bad:
+                total[0] += bad[0]
+                total[1] += bad[1]
+        return tuple(total) if any(total) else None
+    rows = raw.reshape(-1, raw.shape[-1]) if raw.dim() else raw.reshape(1, -1)
+    per_row = max(1, spec.numel // rows.shape[0])
+    step = max(1, CHECK_ROWS_VALUES // per_row)
+    total = [0, 0]
+    for r in range(0, rows.shape[0], step):
+        part = rows[r:r + step]
+        bad = _count_nonfinite(dequantize(part, QuantSpec(spec.fmt, (part.shape[0] * per_row,)), torch.float32))
+        if bad:
+            total[0] += bad[0]
+            total[1] += bad[1]
+    return tuple(total) if any(total) else None
+
+
 def materialize(entries: Mapping[str, StoredTensor], targets: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
                 weights_dtype: str | None = None, keep: Callable[[str], bool] | None = None,
                 device: torch.device | str = "cpu") -> Materialized:
@@ -69,13 +97,12 @@ def materialize(entries: Mapping[str, StoredTensor], targets: Mapping[str, torch
             scale = (e.read_scale() if e.read_scale else 1.0) if e.fmt in _fp8.FORMATS else 1.0
             spec = QuantSpec(e.fmt, tuple(e.shape), scale)
             raw = raw.contiguous().view(torch.uint8)
-            check = dequantize(raw, spec, torch.float32)  # NaN/Inf of the weight as the model sees it
-            bad = _count_nonfinite(check)
+            bad = _nonfinite_stored(raw, spec)  # NaN/Inf of the weight as the model sees it
             if k in params:
-                kept = Kept(raw.to(device=device, copy=True), spec)
+                kept = Kept(raw.to(device=device, copy=not e.owned), spec)
             else:  # a quantized buffer: kept as a plain tensor
-                kept = Kept(check.to(device=device, dtype=want))
-            del check, raw
+                kept = Kept(dequantize(raw, spec, want).to(device))
+            del raw
         else:
             t = e.read()
             bad = _count_nonfinite(t) if t.dtype.is_floating_point else None
@@ -84,9 +111,9 @@ def materialize(entries: Mapping[str, StoredTensor], targets: Mapping[str, torch
                 raw, scale = _fp8.quantize(t, fmt8)
                 kept = Kept(raw.to(device), QuantSpec(fmt8, tuple(e.shape), scale))
             elif t.dtype.is_floating_point:
-                kept = Kept(t.to(device=device, dtype=want, copy=True))
+                kept = Kept(t.to(device=device, dtype=want, copy=not e.owned))
             else:
-                kept = Kept(t.to(device=device, copy=True))
+                kept = Kept(t.to(device=device, copy=not e.owned))
             del t
         if bad is not None:
             out.nonfinite[k] = (bad[0], bad[1], e.numel)

@@ -51,12 +51,14 @@ def dequantize(raw: torch.Tensor, spec: QuantSpec, dtype: torch.dtype) -> torch.
 
 
 def buffer_bytes(spec: QuantSpec, dtype: torch.dtype) -> int:
-    """Transient bytes one dequantization of ``spec`` allocates (the weight in ``dtype``, plus any
-    fp32 staging of the GGUF path)."""
+    """Transient bytes one dequantization of ``spec`` allocates (the weight in ``dtype``, plus the
+    GGUF path's bounded host temporaries)."""
     out = spec.numel * torch.empty(0, dtype=dtype).element_size()
     if spec.fmt in _fp8.FORMATS:
         return out
-    return out + spec.numel * 4  # gguf dequantizes to float32 first
+    from . import ggml
+
+    return out + ggml.chunk_bytes()
 
 
 class Dequantize(nn.Module):

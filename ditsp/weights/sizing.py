@@ -2,7 +2,7 @@
 
 Two parts: the weights as kept (quantized weights at their stored size, the rest in the compute
 dtype) and the per-layer dequantization buffer (the largest quantized weight in the compute
-dtype, plus the fp32 staging of the GGUF path), since a layer's dequantized weight lives while
+dtype, plus the GGUF path's bounded host temporaries), since a layer's dequantized weight lives while
 the layer runs. From tensor shapes and a format name (``ditsp plan``), or from a checkpoint file's
 header (the upscale pre-check: exact stored sizes, nothing read).
 """
@@ -68,7 +68,7 @@ def by_format(shapes: Mapping[str, tuple], fmt: str, compute: str = "bf16") -> W
             t = "F32" if ".rope." in name else GGUF_MIXES[fmt](name, shape)
             if t in _ggml.QUANTIZED:
                 kept += _ggml.stored_bytes(t, n)
-                buffer = max(buffer, n * (e + 4))
+                buffer = max(buffer, n * e + _ggml.chunk_bytes())
             else:
                 kept += n * e  # float tensors are cast to the compute dtype at load
     return WeightBytes(fmt, kept, buffer)
@@ -87,7 +87,7 @@ def of_checkpoint(path: str | os.PathLike, compute: str = "bf16", weights_dtype:
         n = s.numel
         if s.quantized:
             kept += s.nbytes
-            buffer = max(buffer, n * e + (0 if s.fmt in _fp8.FORMATS else 4 * n))
+            buffer = max(buffer, n * e + (0 if s.fmt in _fp8.FORMATS else _ggml.chunk_bytes()))
             kinds[s.fmt] = kinds.get(s.fmt, 0) + 1
         elif fmt8 and s.is_float and _fp8.eligible(name, s.shape):
             kept += n

@@ -37,6 +37,7 @@ class StoredTensor:
     read: Callable[[], torch.Tensor]
     scale_source: str | None = None  # the file key of its per-tensor scale (FP8), if any
     read_scale: Callable[[], float] | None = None
+    owned: bool = False  # read() returns a fresh tensor (no copy needed to keep it), not a view of a file map
 
     @property
     def is_float(self) -> bool:
