@@ -105,8 +105,8 @@ def _status() -> dict[str, int]:
 
 def measure(path: str, model: str, layers: int, mode: str) -> dict:
     """Load ``path`` into a meta-built DiT (``mode`` "streaming", or "before": the previous loader's
-    steps -- the whole file read, every tensor cast to the meta model's fp32, loaded, then cast to
-    bf16); peaks relative to the process before loading, every large allocation its own mapping
+    steps -- the whole file read and checked, every tensor cast to the meta model's fp32, loaded,
+    then cast to bf16); peaks relative to the process before loading, every large allocation its own mapping
     (``exact_cpu_peaks``: no heap retention in the figures)."""
     import torch
 
@@ -142,6 +142,8 @@ def measure(path: str, model: str, layers: int, mode: str) -> dict:
         from safetensors.torch import load_file
 
         sd = load_file(path)
+        for v in sd.values():  # its finiteness check
+            bool(torch.isfinite(v).all())
         cast = {k: v.to(torch.float32) for k, v in sd.items()}
         net.load_state_dict({k.replace(".rope.rope.", ".rope."): v for k, v in cast.items()}, assign=True)
         del sd, cast

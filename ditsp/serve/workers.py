@@ -103,6 +103,12 @@ def _tensors(models) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _quantized(models) -> bool:
+    from ..weights import is_quantized
+
+    return is_quantized(models.dit) or is_quantized(models.vae)
+
+
 def _skeleton(spec):
     """The DiT and VAE of ``spec`` with unallocated storage (no initialisation, no file read)."""
     from ..models.seedvr2.nadit.config import get_config
@@ -132,14 +138,20 @@ def share_weights(spec, group_rank: int) -> dict:
 
     t0 = time.perf_counter()
     have = weights.cached(spec) is not None
+    # The copy rebuilds a receiver from a float skeleton: quantized weights (FP8/GGUF kept as stored
+    # bytes) are not sent; a rank that lacks them loads them from storage.
+    shareable = have and not _quantized(weights.cached(spec))
     world = dist.get_world_size() if dist.is_initialized() else 1
-    flags = [have] * world
+    pairs = [(have, shareable)] * world
     if world > 1:
-        flags = [None] * world
-        dist.all_gather_object(flags, have)
-    if all(flags):
+        pairs = [None] * world
+        dist.all_gather_object(pairs, (have, shareable))
+    flags = [s for _, s in pairs]
+    if all(h for h, _ in pairs):
         return {"source": "cache", "copy_s": 0.0, "bytes": 0}
     if not any(flags):
+        if have:
+            return {"source": "cache", "copy_s": 0.0, "bytes": 0}
         weights.load(spec)
         return {"source": "storage", "copy_s": time.perf_counter() - t0, "bytes": 0}
     src = flags.index(True)

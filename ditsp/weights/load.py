@@ -44,7 +44,12 @@ class Materialized:
 
 
 def _count_nonfinite(w: torch.Tensor) -> tuple[int, int] | None:
-    if bool(torch.isfinite(w).all()):
+    """(NaN, Inf) counts of ``w``, or None when all are finite. The common case is one ``aminmax``
+    (min and max propagate NaN and reach any Inf; ``isfinite`` is ~40x slower on bf16)."""
+    if w.numel() == 0:
+        return None
+    lo, hi = torch.aminmax(w.reshape(-1))
+    if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
         return None
     return int(torch.isnan(w).sum()), int(torch.isinf(w).sum())
 
