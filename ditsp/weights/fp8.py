@@ -57,3 +57,24 @@ def dequantize(raw: torch.Tensor, fmt: str, shape, scale: float, dtype: torch.dt
     if scale != 1.0:
         w.mul_(scale)
     return w
+
+
+def nonfinite(raw: torch.Tensor, fmt: str, scale: float, chunk: int = 1 << 24) -> tuple[int, int]:
+    """(NaN, Inf) counts of the weight stored as ``raw`` bytes, from the bit patterns (no conversion):
+    e4m3fn has NaN at exponent and mantissa all ones and no Inf; e5m2 is IEEE-like (exponent all
+    ones: Inf with a zero mantissa, else NaN). A non-finite scale makes every value NaN."""
+    if scale != scale or scale in (float("inf"), float("-inf")):
+        return raw.numel(), 0
+    flat = raw.reshape(-1)
+    nan = inf = 0
+    for i in range(0, flat.numel(), chunk):
+        b = flat[i:i + chunk]
+        if fmt == "fp8_e4m3fn":
+            nan += int(((b & 0x7F) == 0x7F).sum())
+        else:
+            special = (b & 0x7C) == 0x7C
+            if bool(special.any()):
+                zero_m = (b & 0x03) == 0
+                inf += int((special & zero_m).sum())
+                nan += int((special & ~zero_m).sum())
+    return nan, inf

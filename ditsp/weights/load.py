@@ -60,15 +60,8 @@ CHECK_ROWS_VALUES = 1 << 22  # values per NaN/Inf check of stored bytes (bounds 
 def _nonfinite_stored(raw: torch.Tensor, spec: QuantSpec) -> tuple[int, int] | None:
     """NaN/Inf of the weight ``raw`` stands for, dequantized a slice of rows at a time."""
     if spec.fmt in _fp8.FORMATS:
-        flat = raw.reshape(-1)
-        parts = [flat[i:i + CHECK_ROWS_VALUES] for i in range(0, flat.numel(), CHECK_ROWS_VALUES)]
-        total = [0, 0]
-        for p in parts:
-            bad = _count_nonfinite(_fp8.dequantize(p, spec.fmt, (p.numel(),), spec.scale, torch.float32))
-            if bad:
-                total[0] += bad[0]
-                total[1] += bad[1]
-        return tuple(total) if any(total) else None
+        bad = _fp8.nonfinite(raw, spec.fmt, spec.scale)
+        return bad if any(bad) else None
     rows = raw.reshape(-1, raw.shape[-1]) if raw.dim() else raw.reshape(1, -1)
     per_row = max(1, spec.numel // rows.shape[0])
     step = max(1, CHECK_ROWS_VALUES // per_row)
