@@ -318,3 +318,27 @@ def test_weights_package_is_model_agnostic():
     for f in Path(w.__file__).parent.glob("*.py"):
         assert "models" not in "".join(ln for ln in f.read_text().splitlines(True) if ln.lstrip().startswith(
             ("import", "from"))), f
+
+
+def test_chunked_dequantization_is_the_packages(monkeypatch):
+    """GGUF: row chunks into one output equal ``gguf.quants.dequantize`` of the whole tensor; FP8:
+    NaN/Inf counted from bit patterns equal the converted values' counts."""
+    import gguf
+    import numpy as np
+
+    from ditsp.weights import fp8, ggml
+    from ditsp.weights.gguf_write import encode
+
+    monkeypatch.setattr(ggml, "CHUNK_VALUES", 700)  # several rows per chunk, a partial last chunk
+    a = np.random.default_rng(0).standard_normal((13, 512)).astype(np.float32)
+    for fmt in ("Q8_0", "Q4_K", "Q6_K", "Q5_0"):
+        raw = encode(a, fmt)
+        want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt])
+        got = ggml.dequantize(torch.from_numpy(raw), fmt, (13, 512), torch.float32)
+        assert torch.equal(got, torch.from_numpy(want)), fmt
+    v = torch.tensor([0.0, 1.0, float("nan"), float("inf"), -float("inf"), 3.0, -0.0])
+    for fmt, dt in fp8.FORMATS.items():
+        q = v.to(dt)
+        f = q.float()
+        assert fp8.nonfinite(q.view(torch.uint8), fmt, 1.0, chunk=3) == (int(f.isnan().sum()), int(f.isinf().sum()))
+    assert fp8.nonfinite(torch.zeros(4, dtype=torch.uint8), "fp8_e4m3fn", float("inf")) == (4, 0)
