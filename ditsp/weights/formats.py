@@ -90,22 +90,30 @@ def _pair_scales(entries: dict[str, StoredTensor]) -> tuple[dict[str, StoredTens
     return out, markers
 
 
+def _read_safetensors(path: str, key: str) -> torch.Tensor:
+    """One tensor, copied out of a map opened for it alone: the file's pages leave this process's
+    memory with the map, so a load holds the weights once, not once more as mapped file pages."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt", device="cpu") as f:
+        return f.get_tensor(key).clone()
+
+
 def open_safetensors(path: str) -> Checkpoint:
     from safetensors import safe_open
 
     try:
-        f = safe_open(path, framework="pt", device="cpu")
-        keys = list(f.keys())
-        entries = {}
-        for k in keys:
-            sl = f.get_slice(k)
-            dtype = _SAFE_DTYPES.get(sl.get_dtype())
-            shape = tuple(int(s) for s in sl.get_shape())
-            if dtype is None:
-                raise FormatError(f"{path}: tensor {k!r} has dtype {sl.get_dtype()}, which torch cannot hold")
-            numel = int(np.prod(shape)) if shape else 1
-            entries[k] = StoredTensor(k, shape, fmt_of_dtype(dtype), numel * dtype.itemsize,
-                                      (lambda k=k: f.get_tensor(k)))  # a view of the map: copied
+        with safe_open(path, framework="pt", device="cpu") as f:
+            entries = {}
+            for k in list(f.keys()):
+                sl = f.get_slice(k)
+                dtype = _SAFE_DTYPES.get(sl.get_dtype())
+                shape = tuple(int(s) for s in sl.get_shape())
+                if dtype is None:
+                    raise FormatError(f"{path}: tensor {k!r} has dtype {sl.get_dtype()}, which torch cannot hold")
+                numel = int(np.prod(shape)) if shape else 1
+                entries[k] = StoredTensor(k, shape, fmt_of_dtype(dtype), numel * dtype.itemsize,
+                                          (lambda k=k: _read_safetensors(path, k)), owned=True)
     except FormatError:
         raise
     except Exception as e:  # noqa: BLE001 - any reader failure is an unreadable file
@@ -163,23 +171,29 @@ def open_gguf(path: str) -> Checkpoint:
             raise FormatError(f"{path}: tensor {t.name!r} has {int(t.n_elements)} values but its shape {shape} "
                               f"has {numel}")
         if kind in _ggml.FLOAT:
-            read = (lambda t=t, shape=shape, kind=kind: _gguf_float(t, shape, kind))
             fmt = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}[kind]
         elif kind in _ggml.QUANTIZED:
-            read = (lambda t=t: torch.from_numpy(np.array(t.data, dtype=np.uint8)))
             fmt = kind
         else:
-            read = (lambda t=t: torch.from_numpy(np.array(t.data)))
             fmt = kind.lower()
+        read = (lambda t=t, shape=shape, kind=kind: _gguf_read(path, t, shape, kind))
         entries[name] = StoredTensor(t.name, shape, fmt, int(t.n_bytes), read, owned=True)
     return Checkpoint(path, "gguf", entries, [prefix] if prefix else [])
 
 
-def _gguf_float(t, shape, kind) -> torch.Tensor:
-    data = np.array(t.data)
+def _gguf_read(path: str, t, shape, kind: str) -> torch.Tensor:
+    """One tensor's data, copied through a map of its own bytes (at the offset the reader gives):
+    the pages leave this process with the map. Quantized: the uint8 blocks in the reader's layout."""
+    view = np.memmap(path, dtype=np.uint8, mode="r", offset=int(t.data_offset), shape=(int(t.n_bytes),))
+    data = np.array(view)
+    del view
     if kind == "BF16":
         return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).reshape(shape)
-    return torch.from_numpy(data).reshape(shape)
+    if kind in _ggml.FLOAT:
+        return torch.from_numpy(data.view({"F32": np.float32, "F16": np.float16}[kind])).reshape(shape)
+    if kind in _ggml.QUANTIZED:
+        return torch.from_numpy(data.reshape(t.data.shape))
+    return torch.from_numpy(data.view(t.data.dtype).reshape(t.data.shape))
 
 
 # The one list of formats: (name, file suffixes, opener). The first whose suffix matches opens it.
