@@ -66,15 +66,17 @@ def nonfinite(raw: torch.Tensor, fmt: str, scale: float, chunk: int = 1 << 24) -
     if scale != scale or scale in (float("inf"), float("-inf")):
         return raw.numel(), 0
     flat = raw.reshape(-1)
+    mask = 0x7F if fmt == "fp8_e4m3fn" else 0x7C  # the bits that are all ones in a NaN/Inf
     nan = inf = 0
     for i in range(0, flat.numel(), chunk):
-        b = flat[i:i + chunk]
+        b = flat[i:i + chunk] & mask
+        if int(b.amax()) != mask:  # the common case: one max, no special value in the chunk
+            continue
+        special = b == mask
         if fmt == "fp8_e4m3fn":
-            nan += int(((b & 0x7F) == 0x7F).sum())
+            nan += int(special.sum())
         else:
-            special = (b & 0x7C) == 0x7C
-            if bool(special.any()):
-                zero_m = (b & 0x03) == 0
-                inf += int((special & zero_m).sum())
-                nan += int((special & ~zero_m).sum())
+            zero_m = (flat[i:i + chunk] & 0x03) == 0
+            inf += int((special & zero_m).sum())
+            nan += int((special & ~zero_m).sum())
     return nan, inf
