@@ -159,7 +159,8 @@ def build_request(args):
     elif args.overlap < 0:
         raise ValueError(f"--overlap must be >= 0, got {args.overlap}")
     dtype = args.dtype or ("bf16" if args.model.startswith("seedvr2") else "fp32")
-    weights_dtype = None if args.weights_dtype == "stored" else args.weights_dtype
+    wd = getattr(args, "weights_dtype", "stored")  # serve builds its own Namespace without it
+    weights_dtype = None if wd in (None, "stored") else wd
     weights = WeightsSpec(args.model, args.dit, args.vae, args.text_embedding, dtype, weights_dtype=weights_dtype)
     req = UpscaleRequest(
         input=args.input, output=args.output, weights=weights, area=area, size=size, seed=args.seed,
