@@ -28,8 +28,8 @@ from ..memory import PeakMemory, exact_cpu_peaks
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # case -> (what, input size): latent (T, H, W) for the DiTs, clip (T, H, W) for the VAE.
 CASES = {
-    "dit-3b": ("SeedVR2 3B NaDiT, 2 layers, latent 5x32x32 (1280 tokens)", (5, 32, 32)),
-    "dit-7b": ("SeedVR2 7B NaDiT, 2 layers, latent 5x32x32 (1280 tokens)", (5, 32, 32)),
+    "dit-3b": ("SeedVR2 3B NaDiT, 2 layers, latent 5x64x64 (5120 tokens)", (5, 64, 64)),
+    "dit-7b": ("SeedVR2 7B NaDiT, 2 layers, latent 5x64x64 (5120 tokens)", (5, 64, 64)),
     "vae": ("SeedVR2 VAE (released widths), encode + decode of a 5x64x64 clip", (5, 64, 64)),
 }
 
