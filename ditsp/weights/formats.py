@@ -220,3 +220,14 @@ def from_tensors(sd: Mapping[str, torch.Tensor], name: str = "<state_dict>") -> 
     """An in-memory state_dict as a checkpoint (FP8 scale keys paired as in a file)."""
     entries, markers = _pair_scales({k: StoredTensor.of(k, v) for k, v in sd.items()})
     return Checkpoint(name, "memory", entries, markers)
+
+
+
+def open_any(path_or_sd, error: type[Exception] = FormatError) -> Checkpoint:
+    """A file or an in-memory state_dict as a described checkpoint; a file problem raises ``error`` in one line."""
+    try:
+        if isinstance(path_or_sd, (str, os.PathLike)):
+            return open_checkpoint(path_or_sd)
+        return from_tensors(path_or_sd)
+    except FormatError as e:
+        raise error(str(e)) from None

@@ -28,7 +28,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ....weights import FormatError, StoredTensor, assign, from_tensors, materialize, open_checkpoint, targets_of
+from ....weights import StoredTensor, assign, materialize, open_any, targets_of
 from .rope import RopeBuffer
 
 REF_SUFFIX, PORT_SUFFIX = ".rope.rope.freqs", ".rope.freqs"
@@ -169,13 +169,7 @@ def _check_rope(model: nn.Module, sd: Mapping[str, StoredTensor]) -> None:
 
 
 def _open(path_or_sd):
-    """A file or an in-memory state_dict as a described checkpoint; file problems are one line."""
-    try:
-        if isinstance(path_or_sd, (str, os.PathLike)):
-            return open_checkpoint(path_or_sd)
-        return from_tensors(path_or_sd)
-    except FormatError as e:
-        raise CheckpointError(str(e)) from None
+    return open_any(path_or_sd, CheckpointError)
 
 
 def load_checkpoint(model: nn.Module, path_or_sd, allow_truncated: bool = False, dtype: torch.dtype | None = None,

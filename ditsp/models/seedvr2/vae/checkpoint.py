@@ -17,7 +17,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ....weights import FormatError, StoredTensor, assign, from_tensors, materialize, open_checkpoint, targets_of
+from ....weights import StoredTensor, assign, materialize, open_any, targets_of
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT_FORMATS = ("fp32", "fp16", "bf16")
@@ -35,12 +35,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def _open(path_or_sd):
-    try:
-        if isinstance(path_or_sd, (str, os.PathLike)):
-            return open_checkpoint(path_or_sd)
-        return from_tensors(path_or_sd)
-    except FormatError as e:
-        raise CheckpointError(str(e)) from None
+    return open_any(path_or_sd, CheckpointError)
 
 
 def _rename(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
