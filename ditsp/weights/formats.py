@@ -63,7 +63,8 @@ class Checkpoint:
         return out
 
 
-def _first_line(e: Exception) -> str:
+def error_line(e: Exception) -> str:
+    """The first line of an exception message, minus torch's ``weights_only`` advice (never advise unsafe loading)."""
     text = str(e).strip().splitlines()
     line = text[0] if text else type(e).__name__
     if "weights_only" in line or "Weights only load failed" in line:
@@ -117,7 +118,7 @@ def open_safetensors(path: str) -> Checkpoint:
     except FormatError:
         raise
     except Exception as e:  # noqa: BLE001 - any reader failure is an unreadable file
-        raise FormatError(f"{path}: unreadable checkpoint ({_first_line(e)})") from None
+        raise FormatError(f"{path}: unreadable checkpoint ({error_line(e)})") from None
     entries, markers = _pair_scales(entries)
     return Checkpoint(path, "safetensors", entries, markers)
 
@@ -131,7 +132,7 @@ def open_torch(path: str) -> Checkpoint:
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001
-        raise FormatError(f"{path}: unreadable checkpoint ({_first_line(e)})") from None
+        raise FormatError(f"{path}: unreadable checkpoint ({error_line(e)})") from None
     if isinstance(sd, Mapping) and "state_dict" in sd and isinstance(sd["state_dict"], Mapping):
         sd = sd["state_dict"]
     if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
@@ -155,7 +156,7 @@ def open_gguf(path: str) -> Checkpoint:
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # noqa: BLE001
-        raise FormatError(f"{path}: unreadable checkpoint ({_first_line(e)})") from None
+        raise FormatError(f"{path}: unreadable checkpoint ({error_line(e)})") from None
     names = [t.name for t in reader.tensors]
     prefix = next((p for p in GGUF_PREFIXES if any(n.startswith(p) for n in names)), "")
     bare = [n for n in names if not n.startswith(prefix)]

@@ -92,7 +92,8 @@ def load(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2:
 
 def _load_vae(vae, path: str, dtype: torch.dtype = torch.float32, weights_dtype: str | None = None) -> None:
     """The VAE checkpoint into ``vae``; an unreadable file is one line (never torch's advice to load unsafely)."""
-    from .nadit.checkpoint import CheckpointError, _first_line
+    from ...weights import error_line
+    from .nadit.checkpoint import CheckpointError
     from .vae import CheckpointError as VAECheckpointError
 
     try:
@@ -100,7 +101,7 @@ def _load_vae(vae, path: str, dtype: torch.dtype = torch.float32, weights_dtype:
     except (CheckpointError, VAECheckpointError):
         raise
     except Exception as e:  # noqa: BLE001 - a pickle payload, a truncated file, a wrong format
-        raise CheckpointError(f"{path}: unreadable VAE checkpoint ({_first_line(e)})") from None
+        raise CheckpointError(f"{path}: unreadable VAE checkpoint ({error_line(e)})") from None
 
 
 def cached(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2 | None:

@@ -28,7 +28,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ....weights import StoredTensor, assign, materialize, open_any, targets_of
+from ....weights import StoredTensor, assign, error_line, materialize, open_any, targets_of
 from .rope import RopeBuffer
 
 REF_SUFFIX, PORT_SUFFIX = ".rope.rope.freqs", ".rope.freqs"
@@ -68,19 +68,10 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - any reader failure is an unreadable file
-        raise CheckpointError(f"{path}: unreadable checkpoint ({_first_line(e)})") from None
+        raise CheckpointError(f"{path}: unreadable checkpoint ({error_line(e)})") from None
     if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CheckpointError(f"{path}: expected a flat state_dict of tensors, got {type(sd).__name__}")
     return dict(sd)
-
-
-def _first_line(e: Exception) -> str:
-    """The first line of an exception message, minus torch's ``weights_only`` advice."""
-    text = str(e).strip().splitlines()
-    line = text[0] if text else type(e).__name__
-    if "weights_only" in line or "Weights only load failed" in line:
-        return "not a plain tensor state_dict"
-    return line[:200]
 
 
 def normalize_keys(sd: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
@@ -217,7 +208,7 @@ def load_text_embedding(path: str | os.PathLike, txt_in_dim: int | None = None) 
         try:
             emb = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{path}: unreadable text embedding ({_first_line(e)})") from None
+            raise CheckpointError(f"{path}: unreadable text embedding ({error_line(e)})") from None
     if not isinstance(emb, torch.Tensor) or emb.ndim != 2 or (txt_in_dim and emb.shape[1] != txt_in_dim):
         shape = tuple(emb.shape) if isinstance(emb, torch.Tensor) else type(emb).__name__
         raise CheckpointError(f"{path}: expected a (L, {txt_in_dim or 'C'}) text embedding, got {shape}")
