@@ -36,7 +36,7 @@ class ParallelConfig:
       planner above), ``halo`` (Plan B), ``ulysses`` (baseline) or ``auto``
       (the cheapest by :mod:`ditsp.sp.choice`'s cost model, agreed by every rank).
     - ``ulysses_a2a``: all-to-all transport policy of Ulysses and window exchanges
-      (:mod:`ditsp.dist.transport`): ``off`` (one all-to-all), ``chunked`` (staging
+      (:mod:`ditsp.distributed.transport`): ``off`` (one all-to-all), ``chunked`` (staging
       bounded by the capacity) or ``auto``; ``None`` reads ``DITSP_ULYSSES_A2A`` (default ``auto``).
     - ``ulysses_a2a_long_training``: ``auto`` keeps grad-tracked operands above the
       per-plane threshold on the original transport; ``chunked`` opts them in; ``None``

@@ -6,7 +6,7 @@
   or a torchrun job that runs many requests builds the model once.
 - :func:`dispatch` runs a rank function on the ranks a request asks for:
   inside a torchrun job (this process is one rank), in this process for one
-  rank, or on a :class:`~ditsp.dist.launcher.LocalCluster` of spawned ranks.
+  rank, or on a :class:`~ditsp.distributed.launcher.LocalCluster` of spawned ranks.
 - :func:`rank_forward` / :func:`run` are the `ditsp run` job: one NaDiT
   forward per rank with its time, peak memory and collectives, and optionally
   the parity against one device.
@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from .config import ParallelConfig
-from .dist.launcher import LocalCluster, RankContext, init_from_env
+from .distributed.launcher import LocalCluster, RankContext, init_from_env
 from .fixed_shape import shapes_for
 from .memory import PeakMemory
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditsp.dist.launcher import LocalCluster
+from ditsp.distributed.launcher import LocalCluster
 
 # Every collective in a test fails after this many seconds instead of hanging.
 RANK_TIMEOUT_S = 60.0

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from ditsp.attention import AllGatherKV, Ring, SPAttention, Ulysses
 from ditsp.attention.common import even_splits, offsets
 from ditsp.config import ParallelConfig
-from ditsp.dist.groups import build_sp_groups
+from ditsp.distributed.groups import build_sp_groups
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -238,7 +238,7 @@ def test_kernel_that_does_not_take_the_call_falls_back_and_says_so(clusters, str
 
 def rank_contiguous_heads(ctx):
     from ditsp.attention.ulysses import head_plan, to_heads
-    from ditsp.dist.comm import Comm
+    from ditsp.distributed.comm import Comm
 
     torch.manual_seed(ctx.rank)
     comm, plan, lens = Comm(ctx.group), head_plan(4, 2, 2), [6, 5]

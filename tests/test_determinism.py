@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ditsp.config import ParallelConfig, ParallelConfigError
-from ditsp.dist.agree import DisagreementError
+from ditsp.distributed.agree import DisagreementError
 from ditsp.fixed_shape import DETERMINISTIC, FAST, KernelShapes, conv_tile_rows, current, use
 from ditsp.models.seedvr2.nadit.config import TINY
 from ditsp.models.seedvr2.parallelize import parallelize

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ditsp.dist.comm import Comm
+from ditsp.distributed.comm import Comm
 from ditsp.models.seedvr2.nadit.model import patchify
 from ditsp.sp.handoff import rows_to_tokens, tokens_to_rows
 from ditsp.windows.ownership import RowOwnership, ownership_transition
@@ -85,7 +85,7 @@ def dit_rows_rank(ctx, path):
 
 @pytest.mark.parametrize("world,path", [(1, "window"), (2, "window"), (3, "ulysses"), (3, "halo")])
 def test_dit_takes_and_returns_slabs(clusters, world, path):
-    from ditsp.dist.launcher import RankContext
+    from ditsp.distributed.launcher import RankContext
 
     if world == 1:
         results = [dit_rows_rank(RankContext(0, 1, None, torch.device("cpu")), path)]

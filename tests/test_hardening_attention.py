@@ -7,7 +7,7 @@ import torch
 
 from ditsp.attention import Ulysses
 from ditsp.attention.common import even_splits
-from ditsp.dist.agree import DisagreementError
+from ditsp.distributed.agree import DisagreementError
 
 from .test_attention_sp import check
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ditsp.dist.launcher import LocalCluster, RankError
+from ditsp.distributed.launcher import LocalCluster, RankError
 
 ROOT = Path(__file__).resolve().parents[1]
 LINUX = sys.platform.startswith("linux") and Path("/proc/self/stat").exists()
@@ -73,7 +73,7 @@ def _alive(pid: int) -> bool:
 
 PARENT = textwrap.dedent("""
     import sys
-    from ditsp.dist.launcher import LocalCluster
+    from ditsp.distributed.launcher import LocalCluster
     from tests.test_hardening_launcher import nap
 
     if __name__ == "__main__":

@@ -7,8 +7,8 @@ only rows that cross ranks are counted (and staged): a rank's own rows never ent
 import pytest
 import torch
 
-from ditsp.dist import transport as tp
-from ditsp.dist.comm import Comm
+from ditsp.distributed import transport as tp
+from ditsp.distributed.comm import Comm
 from ditsp.engine import RunSpec, build_for
 from ditsp.sp.window_aligned import WindowRuntime
 

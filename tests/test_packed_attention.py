@@ -9,9 +9,9 @@ from ditsp.attention.packed import (PackedDocs, PackedDocsError, dispatch, doc_a
                                     packed_ulysses_attention, packed_usp_attention, ring_schedule, shard_rows,
                                     unshard_rows, usp_rows)
 from ditsp.config import ParallelConfig
-from ditsp.dist.agree import DisagreementError
-from ditsp.dist.comm import Comm
-from ditsp.dist.groups import build_sp_groups
+from ditsp.distributed.agree import DisagreementError
+from ditsp.distributed.comm import Comm
+from ditsp.distributed.groups import build_sp_groups
 
 # many short documents + one long; causal and bidirectional; one shorter than any SP degree
 LENGTHS = [3, 40, 1, 9, 130, 5, 2, 17]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditsp.dist.comm import Comm
+from ditsp.distributed.comm import Comm
 from ditsp.models.seedvr2.nadit.model import build_model, random_inputs
 from ditsp.models.seedvr2.packed import packed_forward, packed_runtime
 from ditsp.windows.packed import packed_layout
@@ -74,7 +74,7 @@ def test_packed_layout_planned_by_both_planners():
 
 
 def _mismatch(ctx):
-    from ditsp.dist.agree import DisagreementError
+    from ditsp.distributed.agree import DisagreementError
     model = build_model("tiny")
     grids = GRIDS if ctx.rank == 0 else GRIDS[:-1]
     try:

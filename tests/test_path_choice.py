@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ditsp.config import ParallelConfig
-from ditsp.dist.agree import DisagreementError
+from ditsp.distributed.agree import DisagreementError
 from ditsp.engine import RunSpec, build_for
 from ditsp.models.seedvr2.nadit.config import TINY, get_config
 from ditsp.models.seedvr2.parallelize import parallelize

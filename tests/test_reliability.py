@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ditsp.cli import main
-from ditsp.dist.launcher import RankError
+from ditsp.distributed.launcher import RankError
 from ditsp.io.testclip import make_test_clip
 from ditsp.io.video import atomic_path, write_image
 
@@ -48,7 +48,7 @@ def clip(tmp_path_factory):
 
 def beats_for(ctx, seconds: float) -> int:
     """Work that takes ``seconds`` but shows progress (a collective) every 0.1 s."""
-    from ditsp.dist.comm import Comm
+    from ditsp.distributed.comm import Comm
 
     comm = Comm.of(ctx.group)
     steps = int(seconds / 0.1)  # the same count on every rank (each all_reduce needs all of them)
@@ -227,7 +227,7 @@ def _vector_copy(tmp_path, name="nadit-3b-tiny") -> Path:
 
 
 def test_rank_counts_are_bounded_even_with_force(clip, tmp_path, capsys):
-    from ditsp.dist.launcher import LocalCluster
+    from ditsp.distributed.launcher import LocalCluster
     from ditsp.memory import local_rank_limit
 
     n = 2 * local_rank_limit() + 10  # far more than the available memory holds (it moves a little)
@@ -404,7 +404,7 @@ def test_a_16_bit_grey_png_is_read_by_its_range(tmp_path):
 
 
 def test_a_main_module_ranks_cannot_import_is_said_at_once(monkeypatch):
-    from ditsp.dist.launcher import LocalCluster
+    from ditsp.distributed.launcher import LocalCluster
 
     main_mod = sys.modules["__main__"]
     monkeypatch.setattr(main_mod, "__file__", "/nonexistent/<stdin>", raising=False)
@@ -418,7 +418,7 @@ def test_a_main_module_ranks_cannot_import_is_said_at_once(monkeypatch):
 def test_stack_folders_of_gone_launchers_are_swept(clusters):
     import tempfile
 
-    from ditsp.dist.launcher import _sweep_rank_dirs
+    from ditsp.distributed.launcher import _sweep_rank_dirs
 
     stale = Path(tempfile.mkdtemp(prefix=f"ditsp-ranks-{dead_pid()}-"))
     mine = clusters(2)._stack_dir

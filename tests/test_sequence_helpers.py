@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from ditsp.attention import LAYOUTS, USP, Ring, gather, shard, splits
 from ditsp.attention.common import even_splits, offsets
 from ditsp.config import ParallelConfig
-from ditsp.dist.groups import build_sp_groups
+from ditsp.distributed.groups import build_sp_groups
 
 
 def _round_trip(ctx, n, grad):

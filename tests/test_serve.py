@@ -31,7 +31,7 @@ FINAL = ("done", "failed", "cancelled")
 
 def reference_sha(clip: str, tmp: Path, opts: dict) -> str:
     """The frames' sha256 of the same restoration on one device, in this process."""
-    from ditsp.dist.launcher import RankContext
+    from ditsp.distributed.launcher import RankContext
     from ditsp.models.seedvr2.restore import UpscaleRequest, rank_upscale
     from ditsp.models.seedvr2.sizing import parse_resolution
 

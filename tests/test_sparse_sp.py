@@ -10,7 +10,7 @@ from ditsp.attention.common import even_splits
 from ditsp.attention.sparse import SparseConfig, SparseUlysses, plan_migrations
 from ditsp.attention.ulysses import head_plan
 from ditsp.bench.sparse import video_qkv
-from ditsp.dist.agree import DisagreementError
+from ditsp.distributed.agree import DisagreementError
 from ditsp.models.global_dit import GlobalDiTBlock
 
 GRID, T, D = (4, 8, 8), 5, 16

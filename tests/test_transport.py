@@ -1,4 +1,4 @@
-"""ditsp.dist.transport: chunked vs off (bitwise, forward and gradients), capacity, agreement and fallbacks."""
+"""ditsp.distributed.transport: chunked vs off (bitwise, forward and gradients), capacity, agreement and fallbacks."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ditsp.config import ParallelConfig, ParallelConfigError
-from ditsp.dist import transport as tp
-from ditsp.dist.comm import Comm
+from ditsp.distributed import transport as tp
+from ditsp.distributed.comm import Comm
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -32,7 +32,7 @@ def request(inp, out, **kw) -> UpscaleRequest:
 
 def run_on(clusters, sp, req):
     if sp == 1:
-        from ditsp.dist.launcher import RankContext
+        from ditsp.distributed.launcher import RankContext
 
         torch.set_num_threads(1)  # as every rank: bitwise equality holds per thread count
         return summarize([rank_upscale(RankContext(0, 1, None, torch.device("cpu")), replace(req, sp=1))])

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ditsp.dist.agree import DisagreementError
-from ditsp.dist.comm import Comm
-from ditsp.dist.halo import exchange_rows
+from ditsp.distributed.agree import DisagreementError
+from ditsp.distributed.comm import Comm
+from ditsp.distributed.halo import exchange_rows
 from ditsp.models.seedvr2.vae import TINY
 from ditsp.models.seedvr2.vae.fixtures import seeded_vae
 from ditsp.models.seedvr2.vae.sharded import ParallelVAE, SlabLayout, TimeLayout, even_split

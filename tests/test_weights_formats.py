@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ditsp.config import ParallelConfig
-from ditsp.dist.comm import Comm
+from ditsp.distributed.comm import Comm
 from ditsp.models.seedvr2.nadit import TINY, CheckpointError, NaDiT, load_checkpoint
 from ditsp.models.seedvr2.nadit.model import build_model, init_random_, random_inputs
 from ditsp.models.seedvr2.parallelize import parallelize

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ditsp.dist.launcher import LocalCluster, RankContext
+from ditsp.distributed.launcher import LocalCluster, RankContext
 from ditsp.engine import RunSpec, rank_forward
 from ditsp.models.seedvr2.nadit.config import get_config
 from ditsp.models.seedvr2.plan_report import memory_estimate, plan_request

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from ditsp.dist.agree import DisagreementError
-from ditsp.dist.comm import Comm
-from ditsp.dist.launcher import RankError
+from ditsp.distributed.agree import DisagreementError
+from ditsp.distributed.comm import Comm
+from ditsp.distributed.launcher import RankError
 from ditsp.windows.geometry import window_layout
 from ditsp.sp import WindowRuntime
 from ditsp.windows.schedule import plan_schedule

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from ..dist.comm import Comm
+from ..distributed.comm import Comm
 from .common import gather_rows
 from .kernels import block_bwd, block_fwd, local_attention
 

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from ..dist.comm import Comm
+from ..distributed.comm import Comm
 from .kernels import grouped, ungrouped
 
 # Bound on fp32 score elements materialised at once (query rows are chunked).

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from ..dist.comm import Comm
+from ..distributed.comm import Comm
 from .common import merge
 from .kernels import block_bwd, block_fwd
 

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from ..dist.comm import Comm
+from ..distributed.comm import Comm
 from .common import even_splits, gather_rows, offsets
 
 

@@ -32,8 +32,8 @@ from typing import Sequence
 
 import torch
 
-from ..dist import transport
-from ..dist.comm import Comm
+from ..distributed import transport
+from ..distributed.comm import Comm
 from .common import even_splits, ranges
 
 

@@ -3,7 +3,7 @@
 Every strategy is this one composition: Ulysses is ``U=P, R=1``, Ring is
 ``U=1, R=P``, AllGather-KV is ``U=1, R=P`` with the outer axis gathering K/V.
 SP rank ``i = ring_pos * U + ulysses_pos`` (the mesh of
-:func:`ditsp.dist.groups.build_sp_groups`) holds the i-th video shard, so the
+:func:`ditsp.distributed.groups.build_sp_groups`) holds the i-th video shard, so the
 Ulysses group at ring position j gathers one contiguous chunk of the sequence.
 
 Joint text (replicated on every rank, in front of or behind the local video
@@ -16,7 +16,7 @@ Gradients of replicated inputs follow the sum convention (see common.py).
 Agreement: before its first collective for a new call signature (batch,
 heads, K/V heads, head dims, dtypes, text length, joint side, given lengths,
 scale, mesh), every SP rank exchanges its signature once (one small
-all-gather of objects) and raises :class:`~ditsp.dist.agree.DisagreementError`
+all-gather of objects) and raises :class:`~ditsp.distributed.agree.DisagreementError`
 on every rank when they differ, and ``ValueError`` on every rank when any
 rank's inputs are malformed; a mismatch would otherwise crash gloo or hang the
 peers. Signatures already agreed are cached, so steady-state calls add no
@@ -36,9 +36,9 @@ from typing import Sequence
 import torch
 
 from ..config import ParallelConfig
-from ..dist.groups import SPGroups
-from ..dist.agree import DisagreementError
-from ..dist.comm import Comm, CommStats
+from ..distributed.groups import SPGroups
+from ..distributed.agree import DisagreementError
+from ..distributed.comm import Comm, CommStats
 from .allgather import allgather_attention, joined
 from .common import default_scale, even_splits, gather_lens, gather_rows, ranges
 from .kernels import NAMES, Choice, choose, local_attention, requested_default, wants_contiguous
@@ -179,7 +179,7 @@ class SPAttention:
         name = "ulysses" if r == 1 else (outer if u == 1 else f"usp-{outer}")
         attn = cls(groups.ulysses, groups.ring, groups.sp, outer, config.ulysses_a2a_stacked,
                    not config.advanced_uaa, name, backend, layout)
-        from ..dist.transport import configure
+        from ..distributed.transport import configure
 
         configure(attn.u, config)  # the Ulysses transport policy of this config (every rank alike)
         return attn

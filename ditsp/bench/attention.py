@@ -68,8 +68,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..attention.common import even_splits
 from ..attention.usp import AllGatherKV, Ring, SPAttention, Ulysses
 from ..config import ParallelConfig
-from ..dist.groups import build_sp_groups
-from ..dist.comm import Comm, CommStats
+from ..distributed.groups import build_sp_groups
+from ..distributed.comm import Comm, CommStats
 from ..commands.common import choice_list, nonneg_int, positive_int
 from ..engine import DTYPES
 from ..memory import PeakMemory
@@ -418,7 +418,7 @@ def rank_bench(ctx, cfg: dict) -> dict:
 
 def run_bench(cfg: dict, timeout_s: float = 1800.0, cluster=None) -> list[dict]:
     """Rows of the table; ``cluster``: an existing LocalCluster of ``cfg['sp']`` ranks (else one is spawned)."""
-    from ..dist.launcher import LocalCluster
+    from ..distributed.launcher import LocalCluster
 
     if cluster is not None:
         res = cluster.run(rank_bench, cfg, timeout_s=timeout_s)

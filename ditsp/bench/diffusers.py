@@ -193,7 +193,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
         if parser is not None:
             parser.error(msg)
         raise
-    from ..dist.launcher import LocalCluster
+    from ..distributed.launcher import LocalCluster
 
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))  # freed tensors leave RSS: honest peaks
     names = configs(args.sp)

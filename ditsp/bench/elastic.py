@@ -73,7 +73,7 @@ def _job(store, spec, sp: int, clip: str, out_dir: str) -> None:
 
 def cold_restart(spec, ranks: int, grids: list, planner: str = "lpt") -> dict:
     """Spawn ``ranks`` fresh workers, form their group, build the weights, plan: each part timed."""
-    from ..dist.launcher import loopback_store
+    from ..distributed.launcher import loopback_store
     from ..serve.workers import Worker, call
 
     t0 = time.monotonic()

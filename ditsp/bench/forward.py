@@ -18,7 +18,7 @@ from dataclasses import replace
 from tqdm import tqdm
 
 from ..commands.common import nonneg_int, positive_int, positive_int_list
-from ..dist.launcher import LocalCluster
+from ..distributed.launcher import LocalCluster
 from ..engine import RunSpec, rank_forward
 from ..models.seedvr2.nadit.config import PRESETS
 from ..windows.schedule import plan_schedule
@@ -53,7 +53,7 @@ def _row(label: str, sp: int, results: list[dict], grid, planner: str | None) ->
 
 def measure(spec: RunSpec, sps: list[int], threads: int = 1, timeout_s: float = 1800.0) -> list[dict]:
     """All paths at every SP degree, plus the single device; one row each."""
-    from ..dist.launcher import RankContext
+    from ..distributed.launcher import RankContext
     import torch
 
     jobs = [(1, "window", "lpt")] + [(sp, p, pl) for sp in sps for p, pl in PATHS]

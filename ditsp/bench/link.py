@@ -32,7 +32,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def rank_link(ctx, repeats: int, big_bytes: int = 16 << 20) -> dict:
     import torch
 
-    from ..dist.comm import Comm
+    from ..distributed.comm import Comm
 
     comm = Comm.of(ctx.group if ctx.world_size > 1 else None)
     p = comm.world_size

@@ -31,8 +31,8 @@ MODES = ("off", "chunked")
 def _rank(ctx, model_name: str, grid, layers: int, planner: str, repeats: int, capacity: int) -> dict:
     import torch
 
-    from ..dist import transport as tp
-    from ..dist.comm import Comm
+    from ..distributed import transport as tp
+    from ..distributed.comm import Comm
     from ..engine import RunSpec, build_for
     from ..sp.window_aligned import WindowRuntime
 
@@ -59,7 +59,7 @@ def _rank(ctx, model_name: str, grid, layers: int, planner: str, repeats: int, c
 
 def measure(model: str, grid, layers: int, sp: int, planner: str, repeats: int, threads: int = 1,
             capacity: int = 1 << 20) -> dict:
-    from ..dist.launcher import LocalCluster
+    from ..distributed.launcher import LocalCluster
 
     with LocalCluster(sp, timeout_s=1800, threads=threads) as cluster:
         res = cluster.run(_rank, model, tuple(grid), layers, planner, repeats, capacity, timeout_s=1800)

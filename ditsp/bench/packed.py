@@ -47,7 +47,7 @@ STRATS = ("ring-unaware", "ring-doc-noskip", "ring-area", "ring-zigzag", "ulysse
 def rank_attention(ctx, cfg: dict) -> dict:
     from ..attention.packed import dispatch, packed_ring_attention, packed_ulysses_attention
     from ..attention.ring import ring_attention
-    from ..dist.comm import Comm
+    from ..distributed.comm import Comm
 
     docs = doc_mix(cfg["short"], cfg["long"])
     P, H, D = ctx.world_size, cfg["heads"], cfg["head_dim"]
@@ -93,7 +93,7 @@ def rank_attention(ctx, cfg: dict) -> dict:
 
 def attention_table(cfg: dict) -> str:
     from ..attention.packed import dispatch, ring_schedule
-    from ..dist.launcher import launch
+    from ..distributed.launcher import launch
 
     res = launch(rank_attention, cfg["sp"], cfg, timeout_s=1800.0)
     docs = doc_mix(cfg["short"], cfg["long"])
@@ -133,7 +133,7 @@ WINDOW_GRIDS = [(2, 8, 12), (1, 10, 14), (3, 6, 8), (1, 6, 10), (2, 10, 10), (1,
 
 
 def rank_window(ctx, cfg: dict) -> dict:
-    from ..dist.comm import Comm
+    from ..distributed.comm import Comm
     from ..models.seedvr2.nadit.model import build_model, random_inputs
     from ..models.seedvr2.packed import packed_forward, packed_runtime
     from ..models.seedvr2.parallelize import parallelize
@@ -171,7 +171,7 @@ def rank_window(ctx, cfg: dict) -> dict:
 
 
 def window_table(cfg: dict) -> str:
-    from ..dist.launcher import launch
+    from ..distributed.launcher import launch
 
     res = launch(rank_window, cfg["sp"], cfg, timeout_s=1800.0)
     ms = {n: 1e3 * statistics.median([max(r["times"][n][i] for r in res) for i in range(cfg["iters"])])

@@ -155,7 +155,7 @@ def rank_step(ctx, cfg: dict) -> dict:
     """SP step (sparse Ulysses attention) with and without balancing / slack, interleaved; outputs returned."""
     torch.set_num_threads(1)
     from ..attention.common import even_splits
-    from ..dist.comm import Comm
+    from ..distributed.comm import Comm
 
     q, k, v = video_qkv(cfg["grid"], cfg["heads"], cfg["head_dim"], cfg["text"], seed=cfg["seed"])
     T, P, r = cfg["text"], ctx.world_size, ctx.rank
@@ -232,7 +232,7 @@ def run(args) -> str:
     imb += imbalance_rows(dq, dk, grid, T, top_ps, (2, 4, 8), "global DiT")
     spq = speed_quality_rows(q, k, v, grid, T, top_ps, args.iters)
 
-    from ..dist.launcher import LocalCluster
+    from ..distributed.launcher import LocalCluster
 
     cfg = {"grid": list(grid), "heads": H, "head_dim": D, "text": T, "seed": args.seed, "top_p": args.sp_top_p,
            "iters": max(args.iters, 5)}

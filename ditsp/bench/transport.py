@@ -102,8 +102,8 @@ def _window_case(ctx, grid, width: int, dtype):
 def rank_bench(ctx, cfg: dict) -> list[dict]:
     import torch
 
-    from ..dist import transport as tp
-    from ..dist.comm import Comm
+    from ..distributed import transport as tp
+    from ..distributed.comm import Comm
     from ..memory import PeakMemory
 
     torch.set_num_threads(cfg["threads"])

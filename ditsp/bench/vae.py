@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..dist.comm import Comm
-from ..dist.launcher import LocalCluster
+from ..distributed.comm import Comm
+from ..distributed.launcher import LocalCluster
 from ..memory import PeakMemory
 from ..models.seedvr2.vae import RELEASED
 from ..models.seedvr2.vae.fixtures import seeded_vae

@@ -151,7 +151,7 @@ def _one_line(message: str) -> str:
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..dist.launcher import RankError
+    from ..distributed.launcher import RankError
     from ..engine import RunSpec, run
     from ..models.seedvr2.nadit.checkpoint import CheckpointError
     from ..models.seedvr2.nadit.config import get_config

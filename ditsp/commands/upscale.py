@@ -197,7 +197,7 @@ def check_memory(req, geo, window: int, args) -> str:
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..dist.launcher import RankError
+    from ..distributed.launcher import RankError
     from ..engine import dispatch
     from ..models.seedvr2.restore import format_report, plot_report, rank_upscale, summarize
 

@@ -44,7 +44,7 @@ def check_size(directory: str, degrees: list[int]) -> None:
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..dist.launcher import RankError, error_line
+    from ..distributed.launcher import RankError, error_line
     from ..models.seedvr2.verify import VectorSetError, format_verify, verify_vectors
     from .upscale import one_line
 

@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..dist.launcher import loopback_store
+from ..distributed.launcher import loopback_store
 from .store import JobStore
 from .workers import Worker, call
 

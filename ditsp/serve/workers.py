@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..dist.launcher import LOOPBACK, _loopback_ifname, die_with_parent, error_line
+from ..distributed.launcher import LOOPBACK, _loopback_ifname, die_with_parent, error_line
 
 STORE_PREFIX = "ditsp-gen"
 
@@ -252,7 +252,7 @@ class _Group:
         return {"form_s": time.perf_counter() - t0, "gen": gen, "rank": rank, "world": world}
 
     def context(self):
-        from ..dist.launcher import RankContext
+        from ..distributed.launcher import RankContext
 
         group = dist.group.WORLD if self.world > 1 else None
         return RankContext(self.rank, self.world, group, torch.device("cpu"))
@@ -262,7 +262,7 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
                  parent_pid: int, beats=None) -> None:
     die_with_parent(parent_pid)
     if beats is not None:
-        from ..dist.heartbeat import install
+        from ..distributed.heartbeat import install
 
         install(beats, 0)  # collectives and pipeline stages bump it: the server's stuck-worker check
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))

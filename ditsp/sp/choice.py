@@ -22,7 +22,7 @@ The predicted time of one forward is, summed over layers,
 Link parameters (:class:`Link`) come from defaults for a GPU node, from a
 JSON file written by ``ditsp bench link`` (``DITSP_LINK`` names it), or are
 passed in. The choice is made from plans only (pure), then every rank checks
-with :func:`ditsp.dist.agree.agree` that its peers chose the same.
+with :func:`ditsp.distributed.agree.agree` that its peers chose the same.
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ import torch
 
 from ..attention.common import even_splits
 from ..attention.window import WindowPack, window_attention
-from ..dist.agree import agree
-from ..dist.comm import Comm
+from ..distributed.agree import agree
+from ..distributed.comm import Comm
 from ..fixed_shape import DETERMINISTIC
 from ..windows.exchange import exchange
 from ..windows.geometry import WindowLayout, canonical_method, check_grid, short_name, window_layout

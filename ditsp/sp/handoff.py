@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from ..dist.comm import Comm
+from ..distributed.comm import Comm
 from ..windows.exchange import exchange
 from ..windows.ownership import RowOwnership, ownership_transition
 

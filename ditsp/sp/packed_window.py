@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from ..attention.window import segment_attention
-from ..dist.agree import agree
-from ..dist.comm import Comm
+from ..distributed.agree import agree
+from ..distributed.comm import Comm
 from ..fixed_shape import DETERMINISTIC
 from ..windows.exchange import exchange
 from ..windows.geometry import canonical_method, short_name

@@ -29,7 +29,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 import torch
 
 from ..attention.window import WindowPack
-from ..dist.comm import Comm
+from ..distributed.comm import Comm
 from ..fixed_shape import DETERMINISTIC, KernelShapes
 from ..windows.ownership import RowOwnership
 

@@ -23,8 +23,8 @@ import torch
 from ..attention.common import even_splits
 from ..attention.ulysses import head_plan, head_to_seq, seq_to_head
 from ..attention.window import WindowPack, window_attention
-from ..dist.agree import agree
-from ..dist.comm import Comm
+from ..distributed.agree import agree
+from ..distributed.comm import Comm
 from ..windows.geometry import canonical_method, short_name
 from ..windows.schedule import plan_schedule
 from ..windows.ownership import RowOwnership

@@ -11,7 +11,7 @@ between layers, the text reduction and the final gather. With one rank it
 runs the same code with local permutations and no collectives, which is how
 the single-device model runs.
 
-Each layout change goes through the transport (:mod:`ditsp.dist.transport`):
+Each layout change goes through the transport (:mod:`ditsp.distributed.transport`):
 the rows bound for other ranks go out in one asynchronous all-to-all per
 chunk, the rows that stay are gathered into place while they are in flight,
 and the received rows are scattered to their places after the wait. Every
@@ -31,8 +31,8 @@ import time
 import torch
 
 from ..attention.window import WindowPack, window_attention
-from ..dist.agree import agree
-from ..dist.comm import Comm
+from ..distributed.agree import agree
+from ..distributed.comm import Comm
 from ..windows.exchange import exchange
 from ..windows.geometry import canonical_method, short_name
 from ..windows.plan import Plan

@@ -1,7 +1,7 @@
 """Plan A: move activation rows from one window plan to another.
 
 Each rank's rows are packed grouped by destination (each group already in
-the destination's local order) and moved by :mod:`ditsp.dist.transport`
+the destination's local order) and moved by :mod:`ditsp.distributed.transport`
 (whole, or in chunks bounded by its capacity): rows that cross ranks go
 through one variable-split all-to-all per chunk, rows that stay are gathered
 into place while they fly, and received rows are scattered to their
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dist import transport
-from ..dist.comm import Comm
+from ..distributed import transport
+from ..distributed.comm import Comm
 from .plan import Transition
 
 

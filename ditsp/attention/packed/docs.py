@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ...dist.agree import agree
-from ...dist.comm import Comm
+from ...distributed.agree import agree
+from ...distributed.comm import Comm
 
 
 class PackedDocsError(ValueError):

@@ -33,8 +33,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from ...dist.agree import agree
-from ...dist.comm import Comm
+from ...distributed.agree import agree
+from ...distributed.comm import Comm
 from .dispatch import Dispatch, dispatch
 from .docs import PackedDocs
 from .kernel import block_bwd, block_fwd, block_visible, merge

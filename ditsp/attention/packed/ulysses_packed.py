@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...dist.comm import Comm
+from ...distributed.comm import Comm
 from ..common import even_splits
 from ..ulysses import head_plan, to_heads, to_seq
 from .dispatch import dispatch

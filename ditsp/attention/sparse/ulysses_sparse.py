@@ -5,7 +5,7 @@ replicated text joined to this rank's video shard, as every strategy in
 :mod:`ditsp.attention` takes them):
 
 1. Agreement: the sparsity config, grid and call signature are checked once
-   per signature (:func:`ditsp.dist.agree.agree`); a mismatch raises on every rank.
+   per signature (:func:`ditsp.distributed.agree.agree`); a mismatch raises on every rank.
 2. Sequence -> head all-to-all (:func:`ditsp.attention.ulysses.seq_to_head`):
    each rank holds its heads over the whole video; text heads are sliced
    locally. Per head the sequence is ``[text; video]`` in blocks (:mod:`.blocks`).
@@ -36,8 +36,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ...dist.agree import agree
-from ...dist.comm import Comm, CommStats
+from ...distributed.agree import agree
+from ...distributed.comm import Comm, CommStats
 from ..ulysses import head_plan, head_to_seq, seq_to_head
 from .balance import MigrationPlan, plan_migrations
 from .block_sparse import block_sparse_attention, sparse_rows

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from ...attention.usp import SPAttention
 from ...config import ParallelConfig
-from ...dist.comm import Comm
-from ...dist.groups import build_sp_groups
+from ...distributed.comm import Comm
+from ...distributed.groups import build_sp_groups
 from .hooks import ParallelizeError, Runtime, install
 from .plans import PLANS
 

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from ...dist.comm import Comm
+from ...distributed.comm import Comm
 from ...fixed_shape import use as use_kernel_shapes
 from ...sp.packed_window import PackedWindowRuntime
 from .nadit.blocks import ATTN, GATE, MLP, SCALE, SHIFT, emb_slots, rms_norm

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from ...config import ParallelConfig, ParallelConfigError
-from ...dist.comm import Comm
-from ...dist.agree import agree
-from ...dist.transport import configure
+from ...distributed.comm import Comm
+from ...distributed.agree import agree
+from ...distributed.transport import configure
 from ...fixed_shape import shapes_for
 from ...sp import SPRuntime, UlyssesWindowRuntime, WindowRuntime
 from .nadit.config import NaDiTConfig

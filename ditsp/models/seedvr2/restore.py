@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ...config import ParallelConfig
-from ...dist.comm import Comm, CommStats
-from ...dist.heartbeat import beat
+from ...distributed.comm import Comm, CommStats
+from ...distributed.heartbeat import beat
 from ...fixed_shape import shapes_for
 from ...fixed_shape import use as use_kernel_shapes
 from ...memory import PeakMemory

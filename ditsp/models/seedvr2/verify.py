@@ -133,7 +133,7 @@ def _nadit_rank(ctx, directory: str, planner: str) -> tuple[float, str, str]:
 def check_nadit(directory: str | os.PathLike, degrees: Sequence[int] = (1, 2, 3),
                 cluster_factory: ClusterFactory | None = None, planner: str = "lpt") -> dict:
     """Run a NaDiT vector set on one device and under window-aligned SP at each of ``degrees``."""
-    from ...dist.launcher import LocalCluster
+    from ...distributed.launcher import LocalCluster
 
     directory = os.fspath(directory)
     cfg, model, io = _load_nadit(directory)
@@ -285,7 +285,7 @@ def _vae_one_device(vae, io, chunk) -> dict:
 @torch.no_grad()
 def _vae_rank(ctx, directory: str) -> list:
     """One rank: (mode, worst relative error, digest, report) of every sharded mode."""
-    from ...dist.comm import Comm
+    from ...distributed.comm import Comm
     from .vae.sharded import ParallelVAE
 
     torch.set_num_threads(1)
@@ -306,7 +306,7 @@ def check_vae(directory: str | os.PathLike, degrees: Sequence[int] = (1, 2, 3),
     """Check a VAE vector set: one device (plain and chunked: posterior mean/logvar, pipeline latent,
     decoded, decoded from the mean), and at each SP degree > 1 the sharded modes (time, height,
     height+chunks; every rank must return the same bytes)."""
-    from ...dist.launcher import LocalCluster
+    from ...distributed.launcher import LocalCluster
 
     directory = os.fspath(directory)
     vae, io = _load_vae(directory)

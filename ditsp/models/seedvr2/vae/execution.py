@@ -11,7 +11,7 @@ can be computed exactly given
   (``time_chain``, temporal SP: each rank forwards the last ``k_t - 1`` frames of its own padded
   stream to the next one, so a rank with few frames passes on what it got);
 - for each conv, the rows above and below its slab (zeros at the image border, else halo rows of
-  the neighbouring slab, exchanged per conv through :mod:`ditsp.dist.halo`);
+  the neighbouring slab, exchanged per conv through :mod:`ditsp.distributed.halo`);
 - for each GroupNorm, the per-(frame, group) statistics of the whole frame: every piece computes
   per-(frame, group, row) moments (:func:`row_moments`), a height slab all-gathers them (one
   collective of ``2 * G * T * rows`` float64 values per call), and the frame statistics are merged
@@ -30,8 +30,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ....dist.comm import Comm
-from ....dist.halo import exchange_rows, post_to_next, recv_from_prev
+from ....distributed.comm import Comm
+from ....distributed.halo import exchange_rows, post_to_next, recv_from_prev
 
 
 def _ceil_div(a: int, b: int) -> int:

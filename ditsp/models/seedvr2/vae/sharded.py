@@ -8,7 +8,7 @@ its slab):
                    each) with each conv's tail carried over: memory bounded by one chunk.
 ``time``           temporal SP: rank r owns a consecutive range of latent frames (and the input
                    frames that map onto them); each causal conv receives its past frames from rank
-                   r - 1 and forwards its own tail to rank r + 1 (:mod:`ditsp.dist.halo`).
+                   r - 1 and forwards its own tail to rank r + 1 (:mod:`ditsp.distributed.halo`).
 ``height``         height slabs at multiples of one latent row (8 input rows); per-conv row halos,
                    GroupNorm statistics reduced over slabs per frame, mid-attention keys/values
                    gathered per frame.
@@ -19,7 +19,7 @@ its slab):
 
 Ranks with nothing to hold (more ranks than latent rows or frames) still take part in every
 collective and produce empty pieces. Every entry point first makes the ranks agree on mode,
-shapes, dtype and chunking (:func:`ditsp.dist.agree.agree`), so a mismatch raises on every rank
+shapes, dtype and chunking (:func:`ditsp.distributed.agree.agree`), so a mismatch raises on every rank
 instead of hanging. ``mode="auto"`` picks, identically on every rank, the cheapest mode whose
 modelled per-rank memory (:mod:`.memory`) fits the budget.
 
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ....dist.agree import agree
-from ....dist.comm import Comm
+from ....distributed.agree import agree
+from ....distributed.comm import Comm
 from .execution import Exec
 from .model import Posterior, VideoVAE, check_video, decoder_pieces, encoder_pieces
 

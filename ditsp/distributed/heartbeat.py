@@ -2,7 +2,7 @@
 
 The launcher's deadline is a stuck-rank check, not a limit on the whole call:
 a rank is stuck when its counter has not moved for the timeout. Collectives
-(:class:`ditsp.dist.comm.CommStats`) and pipeline stages call :func:`beat`;
+(:class:`ditsp.distributed.comm.CommStats`) and pipeline stages call :func:`beat`;
 outside a launched rank it does nothing.
 """
 

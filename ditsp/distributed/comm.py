@@ -159,7 +159,7 @@ class Comm:
         )
         return reqs
 
-    # -- transport helpers (ditsp.dist.transport) --------------------------------
+    # -- transport helpers (ditsp.distributed.transport) --------------------------------
 
     def all_to_all_single_async(
         self,

@@ -1,4 +1,4 @@
-"""Neighbour halo exchange for slab-sharded work, through :class:`~ditsp.dist.comm.Comm`.
+"""Neighbour halo exchange for slab-sharded work, through :class:`~ditsp.distributed.comm.Comm`.
 
 Ranks hold consecutive slabs of one axis (rows of an image, frames of a clip); an operator
 with a small footprint (a 3x3 conv, a causal time conv) needs a few rows/frames of its
