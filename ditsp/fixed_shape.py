@@ -20,8 +20,9 @@ on the SP path take a shape that depends on the model alone:
 - window attention runs each window shape's (window, head) pairs in batches of
   a fixed size that depends on the window's length only (:func:`pair_batch`);
 - the VAE's convolutions run one output frame of a fixed number of output
-  rows per call (:func:`conv_tile_rows`, a function of the layer's width), in
-  every execution mode: replicated, chunked, time- or height-sharded.
+  rows per call (:func:`conv_tile_rows`, a function of the layer's width and
+  of the whole frame's height), in every execution mode: replicated, chunked,
+  time- or height-sharded.
 
 The single device runs the same tiles, so SP equals one device bit for bit.
 ``ditsp doctor`` probes the premise on a machine's kernels; the cost against
@@ -145,12 +146,21 @@ def _gemm(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, out: tor
         torch.addmm(bias, x, wt, out=out)
 
 
-def conv_tile_rows(out_width: int, shapes: KernelShapes | None = None) -> int | None:
-    """Output rows per convolution call (one output frame each) for an output ``out_width`` wide; None: one call."""
+def conv_tile_rows(out_width: int, frame_rows: int | None = None, shapes: KernelShapes | None = None) -> int | None:
+    """Output rows per convolution call (one output frame each); None: one call.
+
+    A function of the layer's output width and of the whole frame's output height ``frame_rows``
+    (both the same at every SP degree, one device included): at most ``min(CONV_ROW_CAP,
+    conv_pixels // width)`` rows, spread evenly over the frame so the last tile pads at most
+    a few rows (an 8-row frame runs one 8-row call, not a 32-row call that is three-quarters zeros).
+    """
     shapes = shapes or current()
     if not shapes.deterministic:
         return None
-    return min(CONV_ROW_CAP, max(1, shapes.conv_pixels // max(1, out_width)))
+    most = min(CONV_ROW_CAP, max(1, shapes.conv_pixels // max(1, out_width)))
+    if not frame_rows or frame_rows <= 0:
+        return most
+    return -(-frame_rows // -(-frame_rows // most))
 
 
 def pair_batch(rows_per_pair: int, shapes: KernelShapes | None = None) -> int | None:

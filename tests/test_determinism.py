@@ -62,8 +62,14 @@ def test_tiled_convolution_equals_one_call(stride, padding, kernel):
         assert out.shape == ref.shape and (out.double() - ref).abs().max() < 1e-5, shapes
 
 
-def test_conv_tile_rows_follow_the_width_only():
+def test_conv_tile_rows_follow_the_width_and_the_frame_height_only():
     assert conv_tile_rows(256) == 32 and conv_tile_rows(1920) == 4 and conv_tile_rows(100000) == 1
+    # spread over the whole frame: the last tile pads at most a few rows
+    assert conv_tile_rows(8, 8) == 8 and conv_tile_rows(160, 90) == 30 and conv_tile_rows(256, 33) == 17
+    for width in (8, 64, 160, 1920):
+        for rows in range(1, 200):
+            t = conv_tile_rows(width, rows)
+            assert 1 <= t <= conv_tile_rows(width) and -(-rows // t) * t - rows < -(-rows // conv_tile_rows(width))
     with use(FAST):
         assert conv_tile_rows(256) is None
 

@@ -237,7 +237,8 @@ class Exec:
                 else layer.out_rows(x.shape[3])
             y = x.new_zeros((b, layer.cout, max(n_out, 0), rows_local, layer.out_cols(x.shape[4])))
         else:
-            y = layer.apply(x, weight=weight, rows_padded=self.rows is not None)
+            y = layer.apply(x, weight=weight, rows_padded=self.rows is not None,
+                            frame_rows=H_out if self.rows is not None else None)
         if pending is not None:
             pending.wait()
         if st > 1:

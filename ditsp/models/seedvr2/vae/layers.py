@@ -32,29 +32,31 @@ from .config import VaeConfig
 
 
 _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.aten, "mkldnn_convolution")
-# oneDNN's bf16 convolution needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; other CPUs take F.conv3d.
+# oneDNN's bf16 convolution needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere bf16 convs run in float32 (_conv_call).
 _MKLDNN_DTYPES = (torch.float32,) + ((torch.bfloat16,) if _MKLDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
 
 
 def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride=(1, 1, 1),
-           padding=(0, 0, 0)) -> torch.Tensor:
+           padding=(0, 0, 0), frame_rows: int | None = None) -> torch.Tensor:
     """``F.conv3d`` whose calls have a shape that does not depend on the piece around a pixel.
 
     Under the deterministic kernel-shape policy (:mod:`ditsp.fixed_shape`) every call computes one
     output frame of exactly :func:`~ditsp.fixed_shape.conv_tile_rows` output rows (a function of the
-    layer's width): time and row padding are made explicit first, and a tile past the last rows is
+    layer's width and of ``frame_rows``, the whole frame's output rows; a height slab must pass it,
+    a piece of whole frames may leave it to this call's own output rows): time and row padding are made explicit first, and a tile past the last rows is
     zero-padded in an aligned staging buffer. So a pixel's value is the same whether its piece of
     the clip is the whole clip, a chunk of frames, a time shard or a height slab, on any CPU
     kernels. Under the fast policy it is one call over the piece.
     """
-    tile_rows = conv_tile_rows(_out_size(x.shape[4] + 2 * padding[2], weight.shape[4], stride[2]))
+    pt, ph, pw = padding
+    (kt, kh), (st, sh) = weight.shape[2:4], stride[:2]
+    h_out = _out_size(x.shape[3] + 2 * ph, kh, sh)
+    tile_rows = conv_tile_rows(_out_size(x.shape[4] + 2 * pw, weight.shape[4], stride[2]), frame_rows or h_out)
     if tile_rows is None or not x.numel():
         return _conv_call(x, weight, bias, stride, padding)
-    pt, ph, pw = padding
     if pt or ph:
         x = F.pad(x, (0, 0, ph, ph, pt, pt))
-    (kt, kh), (st, sh) = weight.shape[2:4], stride[:2]
-    t_out, h_out = _out_size(x.shape[2], kt, st), _out_size(x.shape[3], kh, sh)
+    t_out = _out_size(x.shape[2], kt, st)
     if t_out <= 0 or h_out <= 0:
         return _conv_call(x, weight, bias, stride, (0, 0, pw))
     in_rows = (tile_rows - 1) * sh + kh
@@ -82,17 +84,29 @@ def _out_size(size: int, kernel: int, stride: int) -> int:
 
 
 def _conv_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding) -> torch.Tensor:
-    """One convolution call, on oneDNN wherever it can run the dtype.
+    """One convolution call, on oneDNN wherever it can run.
 
     On CPU, ``F.conv3d`` picks oneDNN or im2col + GEMM by the input's size (float32, batch 1:
     oneDNN only above 20480 = C*T*H), so the fast policy's calls go to oneDNN directly for one
-    algorithm at every size where oneDNN supports the dtype. Under the deterministic policy every
-    call has one shape anyway, so whichever algorithm ``F.conv3d`` picks for it is picked always.
+    algorithm at every size. Under the deterministic policy every call has one shape anyway, so
+    whichever algorithm runs it runs always. bf16 on a CPU whose oneDNN has no bf16 convolution
+    (no AVX-512 BW / AVX-NE-CONVERT) would fall to PyTorch's reference loop (measured on an AVX2
+    EPYC, one thread: 17 s against 0.23 s for one 512-channel 3x3x3 conv over 3x16x16); it runs as a float32 oneDNN call
+    on the bf16 values instead, rounded to bf16 once (each output a float32 sum, as bf16 kernels
+    accumulate).
     """
-    if _MKLDNN and x.device.type == "cpu" and x.dtype in _MKLDNN_DTYPES and x.numel():
-        return torch.ops.aten.mkldnn_convolution(x.contiguous(), weight.contiguous(), bias, list(padding),
-                                                 list(stride), [1, 1, 1], 1)
+    if not (_MKLDNN and x.device.type == "cpu" and x.numel()):
+        return F.conv3d(x, weight, bias, stride=stride, padding=padding)
+    if x.dtype in _MKLDNN_DTYPES:
+        return _mkldnn(x, weight, bias, stride, padding)
+    if x.dtype == torch.bfloat16:
+        return _mkldnn(x.float(), weight.float(), None if bias is None else bias.float(), stride, padding).bfloat16()
     return F.conv3d(x, weight, bias, stride=stride, padding=padding)
+
+
+def _mkldnn(x, weight, bias, stride, padding) -> torch.Tensor:
+    return torch.ops.aten.mkldnn_convolution(x.contiguous(), weight.contiguous(), bias, list(padding),
+                                             list(stride), [1, 1, 1], 1)
 
 
 class CausalConv3d(nn.Module):
@@ -125,10 +139,12 @@ class CausalConv3d(nn.Module):
         left, right = self.cols_pad
         return (cols + left + right - self.kernel[2]) // self.stride[2] + 1
 
-    def apply(self, x: torch.Tensor, weight: torch.Tensor | None = None, rows_padded: bool = False) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, weight: torch.Tensor | None = None, rows_padded: bool = False,
+              frame_rows: int | None = None) -> torch.Tensor:
         """Valid conv in time over ``x`` whose time padding is already in place.
 
         Rows are zero-padded here unless ``rows_padded`` (the executor then put halo rows in place).
+        ``frame_rows``: the whole frame's output rows when ``x`` is a height slab (see :func:`conv3d`).
         """
         weight = self.weight if weight is None else weight
         top, bot = (0, 0) if rows_padded else self.rows_pad
@@ -138,7 +154,8 @@ class CausalConv3d(nn.Module):
         else:
             x = F.pad(x, (left, right, top, bot))
             pad = (0, 0, 0)
-        return conv3d(x, weight.to(x.dtype), self.bias.to(x.dtype), stride=self.stride, padding=pad)
+        return conv3d(x, weight.to(x.dtype), self.bias.to(x.dtype), stride=self.stride, padding=pad,
+                      frame_rows=frame_rows)
 
     def forward(self, x: torch.Tensor, ex) -> torch.Tensor:
         return ex.conv(self, x)
@@ -204,7 +221,8 @@ class Upsample(nn.Module):
 
     def forward(self, x: torch.Tensor, ex) -> torch.Tensor:
         if x.numel():
-            x = conv3d(x, self.upscale_conv.weight.to(x.dtype), self.upscale_conv.bias.to(x.dtype))
+            x = conv3d(x, self.upscale_conv.weight.to(x.dtype), self.upscale_conv.bias.to(x.dtype),
+                       frame_rows=ex.H if ex.sharded_rows else None)
         else:  # an empty piece (a rank without frames or rows) still walks every layer
             x = x.new_zeros((x.shape[0], self.upscale_conv.out_channels) + tuple(x.shape[2:]))
         x = depth_to_space(x, 2 if self.temporal else 1)
