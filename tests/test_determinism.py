@@ -74,6 +74,7 @@ def test_conv_tile_rows_follow_the_width_and_the_frame_height_only():
         assert conv_tile_rows(256) is None
 
 
+@pytest.mark.bitwise
 def test_doctor_says_whether_the_guarantee_holds_here():
     r = subprocess.run([sys.executable, "-m", "ditsp.cli", "doctor", "--model", "tiny", "--dtype", "fp32",
                         "--threads", "1", "--json"], capture_output=True, text=True, timeout=200)

@@ -31,6 +31,7 @@ def policy_forward(ctx, planner, policy, capacity, dtype):
     return out, comm.stats.as_dict(), comm.staging_peak(), crossing * row_bytes, tp.report(comm)
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_layout_changes_are_one_device_bits_under_every_policy(clusters, world, dtype):

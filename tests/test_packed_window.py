@@ -41,6 +41,7 @@ def alone():
     return [model(v, t, ts) for v, t, ts in requests(model.cfg)]
 
 
+@pytest.mark.bitwise
 def test_packed_single_device_bitwise(alone):
     model = build_model("tiny")
     outs = packed_forward(model, requests(model.cfg))
@@ -48,6 +49,7 @@ def test_packed_single_device_bitwise(alone):
         assert torch.equal(a, b)
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("n,planner", [(2, "lpt"), (3, "locality"), (4, "lpt"), (4, "locality")])
 def test_packed_sp_bitwise(clusters, alone, n, planner):
     results = clusters(n).run(_rank, planner)

@@ -57,6 +57,7 @@ def auto_forward(ctx, link_per_rank=None):
         os.environ.pop(ENV_LINK, None)
 
 
+@pytest.mark.bitwise
 def test_auto_is_one_choice_on_every_rank_and_one_device_bits(clusters):
     before = torch.get_num_threads()
     torch.set_num_threads(1)

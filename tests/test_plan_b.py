@@ -64,6 +64,7 @@ def single(spec):
     return model(vid, txt, 1000.0)
 
 
+@pytest.mark.bitwise
 def test_single_rank_halo_is_the_single_device_forward():
     spec = RunSpec("tiny", RAGGED, 1)
     model, vid, txt = build_for(spec)
@@ -73,6 +74,7 @@ def test_single_rank_halo_is_the_single_device_forward():
         assert torch.equal(model(vid, txt, 1000.0, runtime=rt), single(spec))
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("sp", [2, 3, 4])
 def test_halo_matches_one_device(clusters, sp):
     specs = [RunSpec("tiny", g, sp, dtype=dt) for g in (RAGGED, FEW_SLABS, TWO_ROWS) for dt in ("fp32", "bf16")]

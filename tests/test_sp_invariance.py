@@ -29,7 +29,7 @@ from ditsp.models.seedvr2.nadit.tokenwise import TokenLinear
 from ditsp.models.seedvr2.parallelize import parallelize
 from ditsp.windows.schedule import plan_schedule
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.bitwise, pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]
 
 DATA = Path(__file__).parent / "data"
 ONE_ROW, SMALL_ROWS, EMPTY, RAGGED = (1, 21, 21), (5, 1, 2), (2, 4, 7), (5, 20, 36)

@@ -39,6 +39,7 @@ def run_on(clusters, sp, req):
     return summarize(clusters(sp).run(rank_upscale, replace(req, sp=sp)))
 
 
+@pytest.mark.bitwise
 def test_same_bytes_at_every_sp_degree(clusters, clip, tmp_path):
     """The restored uint8 frames do not depend on the SP degree (4n+1 padding only, seeded CPU noise)."""
     reports = {sp: run_on(clusters, sp, request(clip, tmp_path / f"out{sp}.mp4")) for sp in (1, 2, 3)}
@@ -136,6 +137,7 @@ def test_mismatched_checkpoint_fails_cleanly(clip, tmp_path, capsys):
     assert not (tmp_path / "o.mp4").exists() and not [f for f in os.listdir(tmp_path) if ".tmp" in f]
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("sp", [2, 3])
 def test_height_sharded_vae_hands_slabs_to_the_dit(clusters, clip, tmp_path, sp):
     """Slabs straight to the windows and back give the same frames as gathering the latent, with fewer bytes."""

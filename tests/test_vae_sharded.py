@@ -138,6 +138,7 @@ def test_every_mode_reproduces_reference(clusters):
 F32, BF16 = torch.float32, torch.bfloat16
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("world,cases", [
     # 3 latent rows over 2 ranks, a clip longer than a chunk; a 5-frame clip with latent frame 0 alone on rank 0
     (2, [(F32, 17, 24, 16), (BF16, 5, 40, 24), (F32, 5, 40, 24)]),
@@ -153,6 +154,7 @@ def test_sharded_modes_are_bitwise_one_device(clusters, world, cases):
         assert not bad, (rank, bad)
 
 
+@pytest.mark.bitwise
 def test_encoder_output_left_sharded_and_decoded_from_slabs(clusters):
     results = clusters(3).run(slab_handoff)
     for rank, (held, owned, slab_err, dec_err, shape, whole_err) in enumerate(results):

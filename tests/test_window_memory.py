@@ -42,6 +42,7 @@ def test_estimate_within_tolerance_of_measured_peak(measured, feed):
     assert abs(est - peak) / peak <= TOLERANCE, (feed, est, peak)
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("feed", ["canonical", "rows"])
 def test_rows_feed_is_one_device_bits(measured, feed):
     assert torch.equal(measured[feed][0]["output"], measured["single"]["output"])

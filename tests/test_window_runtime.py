@@ -141,6 +141,7 @@ def test_more_ranks_than_windows(clusters, world):
     assert all(identity for identity, _, _ in results)
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("grid", [GRID, TINY_GRID], ids=["12win", "1win"])
 def test_window_model_matches_single_device(clusters, world, grid):
@@ -173,6 +174,7 @@ def test_text_output_is_the_plain_mean_over_windows(clusters):
         assert not torch.allclose(txt, weighted, atol=1e-6)  # the test can tell the two means apart
 
 
+@pytest.mark.bitwise
 def test_empty_rank_path_in_bf16(clusters):
     schedule = ["regular", "shifted"]
     ref_vid, ref_txt = single_reference(TINY_GRID, schedule, torch.bfloat16)
