@@ -1,6 +1,6 @@
 """`ditsp bench determinism`: the cost of fixed-shape kernel calls against plain ones, one device.
 
-    ditsp bench determinism [--cases dit-3b,dit-7b,vae] [--dtypes fp32,bf16] [--repeats 3]
+    ditsp bench determinism [--cases dit-3b,dit-7b,vae,vae-128] [--dtypes fp32,bf16] [--repeats 3]
 
 For each case (released widths; the DiTs with 2 layers) and dtype, both kernel-shape policies
 (:mod:`ditsp.fixed_shape`) run on the same model and input in one process, interleaved repeat by
@@ -31,6 +31,7 @@ CASES = {
     "dit-3b": ("SeedVR2 3B NaDiT, 2 layers, latent 5x64x64 (5120 tokens)", (5, 64, 64)),
     "dit-7b": ("SeedVR2 7B NaDiT, 2 layers, latent 5x64x64 (5120 tokens)", (5, 64, 64)),
     "vae": ("SeedVR2 VAE (released widths), encode + decode of a 5x64x64 clip", (5, 64, 64)),
+    "vae-128": ("SeedVR2 VAE (released widths), encode + decode of a 5x128x128 clip", (5, 128, 128)),
 }
 
 
@@ -50,13 +51,13 @@ def _dit(case: str, dtype: torch.dtype):
     return call
 
 
-def _vae(dtype: torch.dtype):
+def _vae(case: str, dtype: torch.dtype):
     from ..models.seedvr2.vae import RELEASED
     from ..models.seedvr2.vae.fixtures import seeded_vae
     from ..models.seedvr2.vae.sharded import ParallelVAE
 
     pv = ParallelVAE(seeded_vae(RELEASED).to(dtype))
-    T, H, W = CASES["vae"][1]
+    T, H, W = CASES[case][1]
     x = (torch.rand(1, 3, T, H, W, generator=torch.Generator().manual_seed(0)) * 2 - 1).to(dtype)
 
     def call(shapes: KernelShapes):
@@ -68,7 +69,7 @@ def _vae(dtype: torch.dtype):
 
 @torch.no_grad()
 def measure(case: str, dtype: str, repeats: int) -> dict:
-    call = _vae(DTYPES[dtype]) if case == "vae" else _dit(case, DTYPES[dtype])
+    call = _vae(case, DTYPES[dtype]) if case.startswith("vae") else _dit(case, DTYPES[dtype])
     arms = {"fast": FAST, "deterministic": DETERMINISTIC}
     times = {a: [] for a in arms}
     peaks = {a: 0 for a in arms}

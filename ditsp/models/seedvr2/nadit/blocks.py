@@ -19,7 +19,7 @@ from torch import nn
 from ....attention.window import WindowPack
 from .config import NaDiTConfig
 from .rope import MMRope3d, RopeBuffer
-from .tokenwise import TokenLinear
+from .tokenwise import TokenLinear, mark_replicated_rows
 
 ATTN, MLP = 0, 1  # AdaSingle layer slots
 SHIFT, SCALE, GATE = 0, 1, 2
@@ -42,11 +42,12 @@ def emb_slots(emb: torch.Tensor) -> torch.Tensor:
 class MM(nn.ModuleDict):
     """Per-stream modules: ``vid`` + ``txt``, or one ``all`` set when shared.
 
-    ``vid_only`` drops the text module (the reference's last block, for ada and mlp)."""
+    ``vid_only`` drops the text module (the reference's last block, for ada and mlp). A ``txt``
+    module sees the request's whole text on every rank, so its token linears run plain calls."""
 
     def __init__(self, make, shared: bool, vid_only: bool = False):
         names = ["all"] if shared else (["vid"] if vid_only else ["vid", "txt"])
-        super().__init__({n: make() for n in names})
+        super().__init__({n: mark_replicated_rows(make()) if n == "txt" else make() for n in names})
         self.shared = shared
 
     def get(self, branch: str) -> nn.Module:

@@ -11,13 +11,31 @@ under the policy of the running forward).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ....fixed_shape import linear_rows
 
 
 class TokenLinear(nn.Linear):
-    """``nn.Linear`` on token rows in fixed-shape GEMM tiles (see :mod:`ditsp.fixed_shape`)."""
+    """``nn.Linear`` on token rows in fixed-shape GEMM tiles (see :mod:`ditsp.fixed_shape`).
+
+    ``replicated_rows``: the layer only ever sees rows that every rank holds whole (a request's
+    text stream), so its call already has the same shape at every SP degree and runs as one
+    plain GEMM; tiling would pad a 64-row text to a 768-row tile.
+    """
+
+    replicated_rows = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.replicated_rows:
+            return F.linear(x, self.weight, self.bias)
         return linear_rows(x, self.weight, self.bias)
+
+
+def mark_replicated_rows(module: nn.Module) -> nn.Module:
+    """Mark every :class:`TokenLinear` inside ``module`` as seeing replicated rows only."""
+    for m in module.modules():
+        if isinstance(m, TokenLinear):
+            m.replicated_rows = True
+    return module
