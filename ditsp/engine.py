@@ -27,7 +27,7 @@ from .distributed.launcher import LocalCluster, RankContext, init_from_env
 from .fixed_shape import shapes_for
 from .memory import PeakMemory
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from .dtypes import DTYPES  # noqa: F401 - the one table; re-exported for old imports
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 
@@ -36,7 +36,6 @@ from ...fixed_shape import shapes_for
 from ...fixed_shape import use as use_kernel_shapes
 from ...memory import PeakMemory
 from ...windows.ownership import RowOwnership
-from .budget import pipeline_vae_mode
 from .parallelize import parallelize
 from .pipeline import (
     StreamingBlender,
@@ -55,38 +54,13 @@ from .pipeline import (
     transform_frames,
 )
 from .pipeline.padding import padded_length
-from .weights import WeightsSpec, load
+from .request import UpscaleRequest  # noqa: F401 - the request lives in .request; re-exported
+from .vae.modes import AUTO, SLAB_MODES
+from .weights import load
 
 STAGES = ("read", "vae_encode", "dit", "vae_decode", "color_fix", "write")
 GiB = 2**30
 DEFAULT_FPS = 24
-
-
-@dataclass(frozen=True)
-class UpscaleRequest:
-    """One restoration; identical on every rank."""
-
-    input: str
-    output: str
-    weights: WeightsSpec = field(default_factory=WeightsSpec)
-    area: tuple[int, int] | None = None  # target area (w, h), aspect kept; None: the input's size
-    size: tuple[int, int] | None = None  # exact output size (w, h) before the crop to 16
-    seed: int = 666
-    color_fix: str = "wavelet"
-    window_frames: int = 0  # 0: the whole clip in one window
-    overlap: int = 4
-    vae_mode: str = "auto"
-    vae_chunk: int = 1
-    budget_gib: float | None = None  # per-rank memory budget for the VAE's auto mode and the estimate
-    planner: str | None = None  # None: the DiT's SP path by the cost model (path auto); a name: Plan A with it
-    sp: int = 1
-    crf: int = 18
-    fps: float | None = None  # output frame rate; default: the input's (24 for a folder of frames)
-    overwrite: bool = False
-    progress: bool = True
-    sample_frames: int = 0  # keep this many (input, output) frame pairs for a picture
-    handoff: bool = True  # height-sharded VAE: slabs straight to the DiT's windows (False: gather, then scatter)
-    deterministic: bool = True  # fixed-shape kernel calls in the DiT and the VAE: the same frames at every SP degree
 
 
 class _Frames:
@@ -216,13 +190,11 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
             xp = pad_frames(x, dim=1)[None]  # (1, 3, 4n+1, h, w)
             g = make_generator(win.seed)
 
-            mode = pipeline_vae_mode(vae.cfg, tuple(xp.shape[2:]), ctx.world_size, budget, vae.dtype, req.vae_chunk,
-                                     req.vae_mode)
+            # the step follows the mode auto will pick (a pure choice, no collective); the VAE is asked for
+            # req.vae_mode itself, so its report says why
+            mode = pvae.choose(tuple(xp.shape[2:])).mode if req.vae_mode == AUTO else req.vae_mode
             step = _sharded_window if req.handoff and mode in SLAB_MODES and ctx.world_size > 1 else _whole_window
             decoded, dit_report = step(ctx, models, pvae, runtimes, req, st, win.index, xp, mode, g, vae_reports, bar)
-            if req.vae_mode == "auto":
-                vae_reports = {r.replace("requested", "auto: the first degree-invariant mode that fits")
-                               for r in vae_reports}
             bar.update()
             if not rank0:
                 _all_ok(vae_comm)
@@ -280,9 +252,6 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
     return report
 
 
-SLAB_MODES = ("height", "height+chunks")
-
-
 def _input_times(req: UpscaleRequest, info, frames: int, notes: list[str]) -> list[float] | None:
     """The input's frame times when its frame rate varies (kept in the output), else None; says which."""
     if info.kind != "video":
@@ -316,7 +285,7 @@ def _whole_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, repo
     dit, vae = models.dit, models.vae
 
     def encode():
-        enc = pvae.encode(xp, mode)
+        enc = pvae.encode(xp, req.vae_mode)
         eps = make_noise(enc.posterior.mean.shape, g, dtype=torch.float32)
         reports.add(enc.report)
         z = vae.to_latent(enc.posterior.sample(eps.to(enc.posterior.mean.dtype)))
@@ -331,7 +300,7 @@ def _whole_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, repo
     bar.update()
     z = decoder_latent(one_step_x0(noise, v), dtype=vae.dtype)
     z = z if z.dim() == 5 else z.unsqueeze(2)
-    decoded = st.run("vae_decode", index, lambda: pvae.decode(z, mode))
+    decoded = st.run("vae_decode", index, lambda: pvae.decode(z, req.vae_mode))
     reports.add(pvae.last_report)
     return decoded, rt.report(heads=dit.cfg.heads)
 
@@ -345,7 +314,7 @@ def _sharded_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, re
 
     def encode():
         eps = make_noise((1, vae.cfg.latent_channels, t, h, w), g, dtype=torch.float32)  # canonical draw
-        latent, enc = pvae.encode_latent(xp, mode, noise=eps.to(vae.dtype), keep_sharded=True)
+        latent, enc = pvae.encode_latent(xp, req.vae_mode, noise=eps.to(vae.dtype), keep_sharded=True)
         reports.add(enc.report)
         return vae.channels_last(latent)[0], enc.layout  # (t, rows, w, 16)
 

@@ -39,8 +39,7 @@ from ....distributed.comm import Comm
 from .execution import Exec
 from .model import Posterior, VideoVAE, check_video, decoder_pieces, encoder_pieces
 
-MODES = ("replicated", "chunked", "time", "height", "height+chunks", "tiled")
-EXACT_MODES = MODES[:-1]
+from .modes import AUTO, EXACT_MODES, MODES, SLAB_MODES  # noqa: F401 - EXACT_MODES re-exported
 
 
 def even_split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -151,23 +150,27 @@ class ParallelVAE:
 
     # -- mode choice -----------------------------------------------------------------
 
-    def resolve(self, op: str, shape: tuple[int, int, int], mode: str) -> tuple[str, str]:
-        """(mode, report) for ``op`` ("encode"/"decode") of a clip with pixel shape (T, H, W)."""
+    def choose(self, shape: tuple[int, int, int]):
+        """What ``auto`` picks for a clip of pixel shape (T, H, W) on this group (no collective; see :mod:`.modes`)."""
         from .memory import choose_mode
 
+        return choose_mode(self.cfg, shape, self.comm.world_size, self.budget, self.vae.dtype, self.chunk,
+                           tile=self.tile, overlap=self.overlap)
+
+    def resolve(self, op: str, shape: tuple[int, int, int], mode: str) -> tuple[str, str]:
+        """(mode, report) for ``op`` ("encode"/"decode") of a clip with pixel shape (T, H, W)."""
         agree(self.comm, f"vae.{op} request", {"mode": mode, "shape": list(shape), "dtype": str(self.vae.dtype),
                                                "chunk": self.chunk, "budget": self.budget, "tile": [self.tile, self.overlap],
                                                "widths": list(self.cfg.widths)})
-        if mode == "auto":
-            choice = choose_mode(self.cfg, op, shape, self.comm.world_size, self.budget, self.vae.dtype, self.chunk,
-                                 tile=self.tile, overlap=self.overlap)
+        if mode == AUTO:
+            choice = self.choose(shape)
             mode, why = choice.mode, choice.report
         elif mode not in MODES:
             raise ValueError(f"unknown VAE mode {mode!r}; choose one of {MODES} or 'auto'")
         else:
             why = "requested"
         T, H, W = shape
-        if mode in ("height", "height+chunks") and H < self.cfg.spatial_factor:
+        if mode in SLAB_MODES and H < self.cfg.spatial_factor:
             raise ValueError(f"height sharding needs at least {self.cfg.spatial_factor} rows")
         report = f"VAE {op} mode {mode} (SP={self.comm.world_size}, {why})"
         return mode, report
@@ -195,7 +198,7 @@ class ParallelVAE:
             a, b = tl.frames(p, q)
             m = self.vae.encoder(x[:, :, a:b], Exec(comm, time_chain=True, image_fast_path=T == 1).begin(a))
             m = _gather(comm, m, 2, [q_ - p_ for p_, q_ in tl.latents], "output_gather")
-        elif mode in ("height", "height+chunks"):
+        elif mode in SLAB_MODES:
             layout = SlabLayout(t, h, w, H, W, n)
             prow = layout.pixel_rows(self.cfg.spatial_factor)
             a, b = prow[r]
@@ -250,7 +253,7 @@ class ParallelVAE:
             out = self.vae.decoder(z[:, :, p:q], Exec(comm, time_chain=True, image_fast_path=t == 1).begin(p))
             counts = [tl.frames(p_, q_)[1] - tl.frames(p_, q_)[0] for p_, q_ in tl.latents]
             return _gather(comm, out, 2, counts, "output_gather")
-        if mode in ("height", "height+chunks"):
+        if mode in SLAB_MODES:
             layout = SlabLayout.for_latent(t, h, w, n, self.cfg.spatial_factor)
             _, _, h0, h1 = layout.rank_rows(r)
             return self._decode_rows(z[:, :, :, h0:h1], layout, mode, gather=True)
