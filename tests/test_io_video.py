@@ -28,7 +28,8 @@ from ditsp.io import (
     write_image,
     write_video,
 )
-from ditsp.io.testclip import make_test_clip, seam_metric, scene_frames
+from ditsp.io.testclip import make_test_clip, scene_frames
+from ditsp.models.seedvr2.pipeline.windows import seam_metric
 
 W, H, T = 64, 48, 17
 

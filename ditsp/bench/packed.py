@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from ..commands.common import nonneg_int, positive_int
+from ..argtypes import nonneg_int, positive_int
 
 RESULTS = os.path.join("benchmarks", "results", "packed.md")
 

@@ -19,11 +19,10 @@ import av
 import numpy as np
 import torch
 
-from ..models.seedvr2.pipeline.windows import seam_metric
 from .formats import WRITE_VIDEO_EXTS, container
 from .video import _fail, _to_fraction, atomic_path, video_encoder
 
-__all__ = ["make_test_clip", "seam_metric", "scene_frame", "scene_frames"]
+__all__ = ["make_test_clip", "scene_frame", "scene_frames"]
 
 AUDIO_RATE = 48_000
 TONE_HZ = 440.0

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import VaeConfig
+from .layouts import TimeLayout, even_split
 from .modes import AUTO_ORDER, BY_NAME, FALLBACK
 
 GiB = 1024 ** 3
@@ -184,8 +185,6 @@ def num_params(cfg: VaeConfig) -> int:
 def piece_of(cfg: VaeConfig, op: str, shape, world: int, mode: str, chunk: int = 1, tile: int = 32,
              overlap: int = 8) -> Piece:
     """The largest piece one rank holds (input frames/rows/cols of the network: pixels or latents)."""
-    from .sharded import TimeLayout, even_split
-
     T, H, W = shape
     t, h, w = cfg.latent_shape(T, H, W)
     s, f = cfg.spatial_factor, cfg.temporal_factor
