@@ -117,7 +117,7 @@ class Engine:
         if key not in self._runtimes:
             if len(self._runtimes) >= self.MAX_RUNTIMES:
                 self._runtimes.pop(next(iter(self._runtimes)))
-            pc = ParallelConfig(ulysses_degree=sp, window_planner=planner or "lpt", deterministic=deterministic)
+            pc = ParallelConfig.window(sp, window_planner=planner or "lpt", deterministic=deterministic)
             self._runtimes[key] = parallelize(self.model.cfg, pc, grid, group, planner, path)
         return self._runtimes[key]
 

@@ -209,7 +209,7 @@ def replan(spec, grids, planner: str, comm: Comm) -> dict:
     world = comm.world_size
     if models is not None:
         for grid in grids:
-            parallelize(models.dit.cfg, ParallelConfig(ulysses_degree=world), tuple(grid),
+            parallelize(models.dit.cfg, ParallelConfig.window(world), tuple(grid),
                         comm.group, planner)
     return {"replan_s": time.perf_counter() - t0, "grids": len(grids)}
 
