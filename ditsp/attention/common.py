@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from ..distributed.comm import Comm
+from ..distributed.transport import offsets  # noqa: F401 - re-exported (attention modules use it)
 from .kernels import attn_bwd, attn_fwd  # noqa: F401 - the reference kernel lives in the kernel table
 
 
@@ -38,14 +39,6 @@ def even_splits(n: int, parts: int) -> list[int]:
         raise ValueError(f"cannot split {n} into {parts} parts")
     q, r = divmod(n, parts)
     return [q + (i < r) for i in range(parts)]
-
-
-def offsets(splits: Sequence[int]) -> list[int]:
-    """Start of every share, plus the total at the end."""
-    out = [0]
-    for s in splits:
-        out.append(out[-1] + int(s))
-    return out
 
 
 def ranges(splits: Sequence[int]) -> list[tuple[int, int]]:
