@@ -34,10 +34,6 @@ def _spawns(item) -> bool:
     return any(s in src for s in _SPAWNS)
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "ranks: runs ranks in other processes (auto-applied; deselect with -m 'not ranks')")
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _spawns(item):
