@@ -2,8 +2,10 @@
 
 ``ulysses_degree * ring_degree`` ranks form an SP group; inside it, Ulysses
 sub-groups are contiguous ranks and Ring sub-groups stride across them (the
-USP 2D mesh). SeedVR2 (window attention) takes only ``ulysses_degree`` and
-runs window-aligned SP on the whole SP group instead of head-sharded Ulysses.
+USP 2D mesh). SeedVR2 (window attention) takes only the SP degree
+(``ParallelConfig.window(sp_degree)``, stored in the vllm-omni-compatible
+``ulysses_degree`` field) and runs window-aligned SP on the whole SP group
+instead of head-sharded Ulysses.
 """
 
 from __future__ import annotations
@@ -84,7 +86,14 @@ class ParallelConfig:
 
     @property
     def sp_degree(self) -> int:
+        """Ranks that share one request: the window-aligned SP degree of a window model, ulysses x ring else."""
         return self.ulysses_degree * self.ring_degree
+
+    @classmethod
+    def window(cls, sp_degree: int, **kw) -> "ParallelConfig":
+        """The config of window-aligned SP on ``sp_degree`` ranks. The one place the window degree maps onto
+        the field the vllm-omni-compatible config names ``ulysses_degree`` (ditsp code says ``sp_degree``)."""
+        return cls(ulysses_degree=sp_degree, **kw)
 
     def validate(self, family: str, world_size: int, heads: int | None = None) -> None:
         """Raise :class:`ParallelConfigError` with the valid choices, or return."""
@@ -104,7 +113,7 @@ class ParallelConfig:
             )
 
     def _validate_window(self, family: str) -> None:
-        fix = f"use ParallelConfig(ulysses_degree={self.sp_degree}) for window-aligned SP"
+        fix = f"use ParallelConfig.window({self.sp_degree}) for window-aligned SP"
         rejected = {
             "ring_degree > 1": self.ring_degree > 1,
             "use_allgather": self.use_allgather,

@@ -27,7 +27,7 @@ from .distributed.launcher import LocalCluster, RankContext, init_from_env
 from .fixed_shape import shapes_for
 from .memory import PeakMemory
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from .dtypes import DTYPES  # noqa: F401 - the one table; re-exported for old imports
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class Engine:
         if key not in self._runtimes:
             if len(self._runtimes) >= self.MAX_RUNTIMES:
                 self._runtimes.pop(next(iter(self._runtimes)))
-            pc = ParallelConfig(ulysses_degree=sp, window_planner=planner or "lpt", deterministic=deterministic)
+            pc = ParallelConfig.window(sp, window_planner=planner or "lpt", deterministic=deterministic)
             self._runtimes[key] = parallelize(self.model.cfg, pc, grid, group, planner, path)
         return self._runtimes[key]
 

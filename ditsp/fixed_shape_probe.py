@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .fixed_shape import DETERMINISTIC, FAST, linear_rows, use
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from .dtypes import DTYPES
 ROW_COUNTS = list(range(1, 33)) + [47, 63, 64, 65, 127, 191, 193, 255, 257]
 
 

@@ -1,6 +1,11 @@
-"""Shared fixtures: a pool of local gloo ranks reused across tests (spawning costs seconds)."""
+"""Shared fixtures: a pool of local gloo ranks reused across tests (spawning costs seconds), and the
+``ranks`` marker, applied automatically to every test that runs ranks in other processes, so that
+``pytest -m "not ranks"`` is the fast loop."""
 
 from __future__ import annotations
+
+import inspect
+import os
 
 import pytest
 import torch
@@ -9,6 +14,30 @@ from ditsp.distributed.launcher import LocalCluster
 
 # Every collective in a test fails after this many seconds instead of hanging.
 RANK_TIMEOUT_S = 60.0
+# At most this many pool ranks stay alive between tests (each is a process holding torch, ~0.35 GiB);
+# asking for a size that would pass it closes the least recently used clusters first.
+IDLE_RANKS = int(os.environ.get("DITSP_TEST_IDLE_RANKS", "6"))
+# What in a test's own source means it starts ranks in other processes (besides the clusters fixture):
+# local clusters, a multi-rank CLI run or dispatch, the server's workers, a subprocess.
+_SPAWNS = ("LocalCluster(", '"--sp", "2"', '"--sp", "3"', '"--sp", "4"', "sp=2", "sp=3", "sp=4", "create_app(",
+           "Worker(", "subprocess.", "ranks=")
+
+
+def _spawns(item) -> bool:
+    if "clusters" in getattr(item, "fixturenames", ()):
+        return True
+    fn = getattr(item, "function", None)
+    try:
+        src = inspect.getsource(fn) if fn is not None else ""
+    except (OSError, TypeError):
+        return False
+    return any(s in src for s in _SPAWNS)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _spawns(item):
+            item.add_marker(pytest.mark.ranks)
 
 
 @pytest.fixture(scope="session")
@@ -18,12 +47,18 @@ def clusters():
     Run a module-level function on every rank with ``clusters(n).run(fn, *args)``;
     a rank that raises or hangs fails the test with its traceback.
     """
-    pool: dict[int, LocalCluster] = {}
+    pool: dict[int, LocalCluster] = {}  # insertion order = least recently used first
 
     def get(n: int) -> LocalCluster:
-        if n not in pool or not pool[n].alive:
-            pool[n] = LocalCluster(n, timeout_s=RANK_TIMEOUT_S, threads=1)
-        return pool[n]
+        c = pool.pop(n, None)
+        if c is None or not c.alive:
+            for m in list(pool):  # make room: the least recently used sizes go first
+                if sum(pool) + n <= IDLE_RANKS:
+                    break
+                pool.pop(m).close()
+            c = LocalCluster(n, timeout_s=RANK_TIMEOUT_S, threads=1)
+        pool[n] = c
+        return c
 
     yield get
     for c in pool.values():

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ditsp.attention import common
+from ditsp.attention import common, kernels  # noqa: F401
 from ditsp.attention.common import attn_bwd, attn_fwd, even_splits, merge, offsets, ranges
 from ditsp.attention.ulysses import head_plan
 
@@ -63,7 +63,7 @@ def test_block_lse_is_real_and_merges_exactly(sq, sk, kv_heads, group, data):
 
 @pytest.mark.parametrize("score_elems", [1 << 22, 40], ids=["whole", "chunked-rows"])
 def test_block_backward_matches_autograd(monkeypatch, score_elems):
-    monkeypatch.setattr(common, "SCORE_ELEMS", score_elems)
+    monkeypatch.setattr(kernels, "SCORE_ELEMS", score_elems)
     torch.manual_seed(0)
     q = torch.randn(1, 4, 7, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 9, 8, dtype=torch.float64, requires_grad=True)

@@ -28,7 +28,8 @@ from ditsp.io import (
     write_image,
     write_video,
 )
-from ditsp.io.testclip import make_test_clip, seam_metric, scene_frames
+from ditsp.io.testclip import make_test_clip, scene_frames
+from ditsp.models.seedvr2.pipeline.windows import seam_metric
 
 W, H, T = 64, 48, 17
 
@@ -103,6 +104,33 @@ def test_audio_transcoded_when_mp4_cannot_carry_it(pcm_clip, tmp_path):
     with av.open(str(out)) as c:
         a, v = c.streams.audio[0], c.streams.video[0]
         assert abs(float(a.duration * a.time_base) - float(v.duration * v.time_base)) < 0.05
+
+
+@pytest.mark.parametrize("ext", [".mp4", ".m4v", ".mov", ".mkv"])
+def test_every_writable_container_round_trips(clip, pcm_clip, tmp_path, ext):
+    """Every extension ditsp.io.formats offers writes, reads back with the same frames count, size and rate,
+    and carries the input's audio (copied where the container takes the codec, else AAC)."""
+    from ditsp.io.formats import WRITE_VIDEO_EXTS, audio_copy_codecs
+
+    assert ext in WRITE_VIDEO_EXTS
+    for src, codec in ((clip, "aac"), (pcm_clip, "pcm_s16le")):
+        info = probe(src)
+        out = write_video(tmp_path / f"o-{codec}{ext}", torch.cat(list(read_video(src))), info.rate,
+                          audio_from=src)
+        got = probe(out)
+        assert (got.width, got.height, got.rate) == (W, H, info.rate) and count_frames(out) == count_frames(src)
+        want = codec if codec in audio_copy_codecs(ext) else "aac"
+        assert got.has_audio and _audio_codec(out) == want
+        a = torch.cat(list(read_video(src))).float()
+        assert (a - torch.cat(list(read_video(out))).float()).abs().mean() < 6
+
+
+def test_writable_video_list_is_the_one_in_formats():
+    from ditsp.io import formats, video
+
+    assert tuple(formats.VIDEO_CONTAINERS) == formats.WRITE_VIDEO_EXTS == video.WRITE_VIDEO_EXTS
+    assert set(formats.WRITE_VIDEO_EXTS) <= set(formats.VIDEO_EXTS)  # what is written can be read back
+    assert set(formats.WRITE_IMAGE_EXTS) <= set(formats.IMAGE_EXTS)
 
 
 def test_mpeg4_fallback_and_no_audio(clip, tmp_path):

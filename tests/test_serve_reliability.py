@@ -216,25 +216,19 @@ def test_results_past_the_retention_are_deleted(tmp_path):
 def test_refusing_a_huge_request_builds_the_vae_once(tmp_path, allowed, monkeypatch):
     """The estimate counts the VAE's parameters on the meta device; before, it rebuilt it ~100 times per
     refusal (10 s of CPU for a 99999x99999 request)."""
-    import argparse
-
-    from ditsp.commands.upscale import build_request, check_memory
+    from ditsp.models.seedvr2 import request
     from ditsp.models.seedvr2.vae import memory, model
 
     memory.num_params.cache_clear()
     built = []
     init = model.VideoVAE.__init__
     monkeypatch.setattr(model.VideoVAE, "__init__", lambda self, *a, **k: (built.append(1), init(self, *a, **k))[1])
-    args = argparse.Namespace(
-        input=str(allowed / "ok.mp4"), output=str(tmp_path / "o.mp4"), sp=2, model="seedvr2-3b", dit=None, vae=None,
-        text_embedding=None, dtype=None, resolution="99999x99999", scale=None, size=None, seed=1, color_fix="none",
-        window_frames=0, overlap=4, vae_mode="auto", vae_chunk=1, planner=None, max_memory=None, force=False,
-        fps=None, crf=18, overwrite=False, threads=1, timeout=60.0, plot=None, check=False, json=True,
-        no_progress=True, deterministic=True)
+    opts = request.Options(input=str(allowed / "ok.mp4"), output=str(tmp_path / "o.mp4"), sp=2, model="seedvr2-3b",
+                           resolution="99999x99999", seed=1, color_fix="none", timeout=60.0, progress=False)
     for _ in range(2):
-        req, _info, _frames, geo, window = build_request(args)
+        checked = request.check(opts)
         with pytest.raises(MemoryError, match="does not fit"):
-            check_memory(req, geo, window, args)
+            request.check_memory(checked, opts)
     assert len(built) <= 1, len(built)
 
 

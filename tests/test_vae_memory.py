@@ -25,19 +25,31 @@ def test_more_ranks_shrink_the_height_slab():
     assert a == sorted(a, reverse=True) and a[0] > 3 * a[-1]
 
 
-def test_auto_prefers_the_cheapest_fitting_exact_mode():
-    big = choose_mode(RELEASED, "decode", (81, 720, 1280), 4, None)
-    assert big.mode in ("time", "height")  # no budget: a fully parallel mode without chunk overhead
-    tight = choose_mode(RELEASED, "decode", (81, 720, 1280), 4, 24 * GiB)
-    assert tight.mode in ("height+chunks",) and "fits 24.00 GiB" in tight.report
-    one = choose_mode(RELEASED, "decode", (81, 720, 1280), 1, 24 * GiB)
-    assert one.mode in ("chunked", "tiled")
+def test_auto_takes_the_first_exact_mode_that_fits_in_the_tables_order():
+    """One meaning of auto (vae/modes.py): AUTO_ORDER's first exact mode fitting encode and decode."""
+    from ditsp.models.seedvr2.vae.modes import AUTO_ORDER, EXACT_MODES
+
+    assert set(AUTO_ORDER) == set(EXACT_MODES) and AUTO_ORDER[0] == "height"
+    big = choose_mode(RELEASED, (81, 720, 1280), 4, None)
+    assert big.mode == "height" and "no budget" in big.report  # no budget: the first
+    tight = choose_mode(RELEASED, (81, 720, 1280), 4, 24 * GiB)
+    assert tight.mode == "height+chunks" and "fits 24.00 GiB" in tight.report
+    for m in AUTO_ORDER[:AUTO_ORDER.index(tight.mode)]:  # everything before it does not fit
+        assert max(estimate(RELEASED, op, (81, 720, 1280), 4, m).total for op in ("encode", "decode")) > 24 * GiB
     with pytest.raises(MemoryError, match="no VAE mode fits"):
-        choose_mode(RELEASED, "decode", K4, 1, 1 * GiB)
+        choose_mode(RELEASED, K4, 1, 1 * GiB)
+
+
+def test_auto_skips_a_time_split_of_one_latent_frame():
+    c = choose_mode(RELEASED, (1, 720, 1280), 4, None)
+    assert c.mode == "height"
+    with pytest.raises(MemoryError) as e:
+        choose_mode(RELEASED, (1, 64, 64), 4, 1)
+    assert "time" not in str(e.value) and "replicated" in str(e.value)
 
 
 def test_auto_falls_back_to_tiled_and_says_approximate():
-    c = choose_mode(RELEASED, "decode", (81, 1072, 1920), 1, 20 * GiB)
+    c = choose_mode(RELEASED, (81, 1072, 1920), 1, 20 * GiB)
     assert c.mode == "tiled" and "APPROXIMATE" in c.report
 
 
@@ -45,7 +57,7 @@ def test_auto_runs_and_reports_its_mode():
     pv = ParallelVAE(seeded_vae(TINY))
     x = torch.rand(1, 3, 5, 16, 16) * 2 - 1
     enc = pv.encode(x)
-    assert enc.mode == "replicated" and "mode replicated (SP=1, auto" in enc.report
+    assert enc.mode == "height" and "mode height (SP=1, auto: the first exact mode that fits" in enc.report
 
 
 def test_tiles_and_ramp():

@@ -27,7 +27,7 @@ cuda_flash       ``aten._scaled_dot_product_flash_attention`` (+ backward)  CUDA
                                                                             <= 256, a multiple of 8
 cuda_efficient   ``aten._scaled_dot_product_efficient_attention``           CUDA; fp16, bf16, fp32;
                  (+ backward)                                               head dim a multiple of 8
-reference        pure torch, fp32 score chunks (``common.attn_fwd/bwd``)   everything (the fallback)
+reference        pure torch, fp32 score chunks (``attn_fwd/bwd`` here)     everything (the fallback)
 ===============  =========================================================  ===========================
 
 The CUDA rows are thin, guarded wrappers that have NOT been run: this
@@ -221,13 +221,86 @@ def _per_group(q, k, v):
     return q.reshape(b * hk, g, sq, d), kv(k), kv(v)
 
 
+# -- the reference kernel: pure torch, fp32 score chunks, GQA by grouping query rows (no K/V copy) ----
+
+# Bound on fp32 score elements materialised at once (query rows are chunked).
+SCORE_ELEMS = 1 << 22
+
+
+def _chunks(rows: int, cols: int, heads: int):
+    step = max(1, SCORE_ELEMS // max(1, cols * heads))
+    return [(i, min(rows, i + step)) for i in range(0, rows, step)]
+
+
+def _causal_mask(i: int, j: int, sk: int, groups: int, device) -> torch.Tensor:
+    """True where grouped query rows ``[i, j)`` (``groups`` heads' rows stacked) must not see a key."""
+    pos = torch.arange(i, j, device=device).repeat(groups)
+    return pos[:, None] < torch.arange(sk, device=device)[None, :]
+
+
+def attn_fwd(q, k, v, scale: float, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention of ``q`` [B,H,Sq,D] on one K/V block [B,Hkv,Sk,D] (H % Hkv == 0, contiguous groups).
+
+    Returns ``(out, lse)`` in fp32: out [B,H,Sq,Dv], lse [B,H,Sq] = logsumexp of the scaled scores.
+    ``causal``: query row i sees keys 0..i.
+    """
+    b, h, sq, _ = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    if h == 0 or hk == 0:  # a Ulysses rank holding no heads (fewer heads than ranks)
+        if h != hk:
+            raise ValueError(f"{h} query heads cannot attend to {hk} K/V heads")
+        return (q.new_zeros((b, 0, sq, v.shape[-1]), dtype=torch.float32),
+                q.new_zeros((b, 0, sq), dtype=torch.float32))
+    if h % hk:
+        raise ValueError(f"{h} query heads do not group onto {hk} K/V heads")
+    out = q.new_empty((b, h, sq, v.shape[-1]), dtype=torch.float32)
+    lse = q.new_empty((b, h, sq), dtype=torch.float32)
+    kf, vf = k.float(), v.float()
+    for i, j in _chunks(sq, sk, h):
+        qc = grouped(q[:, :, i:j].float(), hk)
+        s = torch.matmul(qc, kf.transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(_causal_mask(i, j, sk, h // hk, s.device), float("-inf"))
+        l = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - l.unsqueeze(-1))
+        out[:, :, i:j] = ungrouped(torch.matmul(p, vf), h)
+        lse[:, :, i:j] = ungrouped(l, h)
+    return out, lse
+
+
+def attn_bwd(q, k, v, lse, delta, dout, scale: float, causal: bool = False):
+    """Reference gradients of one K/V block given the *final* ``lse`` and ``delta = rowsum(dout * out)``.
+
+    Returns fp32 ``(dq, dk, dv)``; dk/dv sum over the query heads of each group.
+    """
+    h, hk, sq, sk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    if h == 0 or hk == 0:  # a rank holding no heads: nothing to differentiate
+        return (torch.zeros(q.shape, dtype=torch.float32), torch.zeros(k.shape, dtype=torch.float32),
+                torch.zeros(v.shape, dtype=torch.float32))
+    kf, vf, lse, delta = k.float(), v.float(), lse.float(), delta.float()
+    dq = torch.empty(q.shape, dtype=torch.float32)
+    dk = torch.zeros(k.shape, dtype=torch.float32)
+    dv = torch.zeros(v.shape, dtype=torch.float32)
+    for i, j in _chunks(sq, sk, h):
+        qc = grouped(q[:, :, i:j].float(), hk)
+        do = grouped(dout[:, :, i:j].float(), hk)
+        s = torch.matmul(qc, kf.transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(_causal_mask(i, j, sk, h // hk, s.device), float("-inf"))
+        p = torch.exp(s - grouped(lse[:, :, i:j, None], hk))
+        dv += torch.matmul(p.transpose(-1, -2), do)
+        dp = torch.matmul(do, vf.transpose(-1, -2))
+        ds = p * (dp - grouped(delta[:, :, i:j, None], hk)) * scale
+        dq[:, :, i:j] = ungrouped(torch.matmul(ds, kf), h)
+        dk += torch.matmul(ds.transpose(-1, -2), qc)
+    return dq, dk, dv
+
+
 def block_fwd(backend: str, q, k, v, scale: float, causal: bool = False):
     """``(out, lse)`` of one block. ``out`` is in q's dtype on a kernel, fp32 on ``reference``; lse >= fp32.
 
     ``causal``: query row i sees keys 0..i (the block is a sequence's own diagonal block).
     """
-    from .common import attn_fwd
-
     b, h, sq, _ = q.shape
     hk, sk = k.shape[1], k.shape[2]
     if (h != hk) if h == 0 or hk == 0 else h % hk:
@@ -250,8 +323,6 @@ def block_bwd(backend: str, q, k, v, out, lse, dout, scale: float, delta=None, c
     dK/dV sum over the query heads of each group. ``delta`` (rowsum(dout * out), fp32) is used by
     ``reference`` only (computed when omitted); a kernel computes it from ``out``.
     """
-    from .common import attn_bwd
-
     h, hk, sq, sk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     if h == 0 or hk == 0 or sq == 0 or sk == 0:
         return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),

@@ -34,7 +34,7 @@ import torch
 
 from ..distributed import transport
 from ..distributed.comm import Comm
-from .common import even_splits, ranges
+from .common import even_splits, offsets, ranges
 
 
 @dataclass(frozen=True)
@@ -71,13 +71,6 @@ def _widths(xs, head_ranges, rank):
     return [(hr[rank][1] - hr[rank][0]) * x.shape[-1] for x, hr in zip(xs, head_ranges)]
 
 
-def _offsets(ws):
-    o = [0]
-    for w in ws:
-        o.append(o[-1] + w)
-    return o
-
-
 def _move(comm: Comm, src, ins, outs, kind, key, planes: int, grad: bool):
     """One transport all-to-all of a flat source (element splits); ``planes`` as the codec reports them."""
     if isinstance(src, torch.Tensor):
@@ -99,7 +92,7 @@ class WireBlocks:
         self.xs, self.head_ranges = xs, head_ranges
         self.b, self.s = xs[0].shape[0], xs[0].shape[1]
         self.widths = [sum(_widths(xs, head_ranges, p)) for p in range(n)]
-        self.offsets = _offsets([self.s * self.b * w for w in self.widths])
+        self.offsets = offsets([self.s * self.b * w for w in self.widths])
         self.rows, self.row_shape = self.offsets[-1], ()
         self.dtype, self.device, self.planes = xs[0].dtype, xs[0].device, 1
         self.requires_grad = False  # the codec's autograd Functions own the gradients

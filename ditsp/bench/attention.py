@@ -70,7 +70,7 @@ from ..attention.usp import AllGatherKV, Ring, SPAttention, Ulysses
 from ..config import ParallelConfig
 from ..distributed.groups import build_sp_groups
 from ..distributed.comm import Comm, CommStats
-from ..commands.common import choice_list, nonneg_int, positive_int
+from ..argtypes import choice_list, nonneg_int, positive_int
 from ..engine import DTYPES
 from ..memory import PeakMemory
 

@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import replace
 
-from ..commands.common import positive_int
+from ..argtypes import positive_int
 
 RESOLUTIONS = {"720p": (21, 45, 80), "1080p": (21, 67, 120), "2K": (21, 90, 160), "4K": (21, 135, 240)}
 SPS = (2, 4, 8)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..commands.common import positive_int
+from ..argtypes import positive_int
 from ..fixed_shape import DETERMINISTIC, FAST, KernelShapes, use
 from ..memory import PeakMemory, exact_cpu_peaks
 

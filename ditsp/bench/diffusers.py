@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ..commands.common import nonneg_int, positive_int
+from ..argtypes import nonneg_int, positive_int
 
 RESULTS = Path("benchmarks/results/diffusers.md")
 

@@ -54,18 +54,18 @@ def _wait(pred, timeout: float, what: str):
 
 
 def _job(store, spec, sp: int, clip: str, out_dir: str) -> None:
-    from ..commands.upscale import build_request
-    from ..serve.app import Settings, _upscale_args
+    from ..models.seedvr2.request import check
+    from ..serve.app import Settings, job_options
     from ..serve.store import new_id
 
     job_id = new_id()
-    args = _upscale_args(Settings(data_dir=out_dir, sp=sp, model=spec.model), clip,
-                         os.path.join(out_dir, f"{job_id}.mp4"), {"resolution": "64x48"})
-    req = build_request(args)[0]
+    job = job_options(Settings(data_dir=out_dir, sp=sp, model=spec.model), clip,
+                      os.path.join(out_dir, f"{job_id}.mp4"), {"resolution": "64x48"})
+    req = check(job).req
     from dataclasses import asdict
 
     request = {k: v for k, v in asdict(req).items() if k not in ("weights", "overwrite", "progress", "sample_frames")}
-    store.add(job_id, clip, False, "clip.mp4", args.output, request, {})
+    store.add(job_id, clip, False, "clip.mp4", job.output, request, {})
     _wait(lambda: (store.get(job_id) or {}).get("state") in ("done", "failed"), 600, "warm-up job")
     if store.get(job_id)["state"] != "done":
         raise RuntimeError(f"warm-up job failed: {store.get(job_id)['error']}")

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
-from ..commands.common import nonneg_int, positive_int, positive_int_list
+from ..argtypes import nonneg_int, positive_int, positive_int_list
 from ..distributed.launcher import LocalCluster
 from ..engine import RunSpec, rank_forward
 from ..models.seedvr2.nadit.config import PRESETS
@@ -227,7 +227,7 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace, parser=None) -> int:
-    from ..commands.common import check_layers, check_output_folder
+    from ..argtypes import check_layers, check_output_folder
     from ..models.seedvr2.sizing import parse_grid
 
     def fail(msg: str):

@@ -17,7 +17,7 @@ import os
 import statistics
 import time
 
-from ..commands.common import positive_int
+from ..argtypes import positive_int
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from ..commands.common import positive_int
+from ..argtypes import positive_int
 from .forward import RESOLUTIONS
 
 

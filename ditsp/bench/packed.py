@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from ..commands.common import nonneg_int, positive_int
+from ..argtypes import nonneg_int, positive_int
 
 RESULTS = os.path.join("benchmarks", "results", "packed.md")
 
@@ -145,7 +145,7 @@ def rank_window(ctx, cfg: dict) -> dict:
     for i, g in enumerate(grids):
         vid, txt = random_inputs(model.cfg, g, seed=i)
         reqs.append((vid, txt, 500.0))
-    pc = ParallelConfig(ulysses_degree=ctx.world_size) if ctx.world_size > 1 else None
+    pc = ParallelConfig.window(ctx.world_size) if ctx.world_size > 1 else None
     sync = Comm.of(ctx.group)
     times = {"packed": [], "one-by-one": []}
     imb = {}

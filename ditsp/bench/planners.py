@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from ..commands.common import nonneg_float, nonneg_int
+from ..argtypes import nonneg_float, nonneg_int
 from ..windows.geometry import _layout, window_layout
 from ..windows.plan import PLAN_CACHE, TRANSITION_CACHE
 from ..windows.planners import locality

@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 
-from ..commands.common import positive_int, positive_int_list
+from ..argtypes import positive_int, positive_int_list
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 

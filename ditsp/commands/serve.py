@@ -13,6 +13,8 @@ import os
 import socket
 import sys
 
+from ..dtypes import NAMES as DTYPE_NAMES
+from ..models.seedvr2.presets import MODELS
 from .common import add_deterministic_arg
 
 
@@ -20,11 +22,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="restoration server (HTTP API) on a persistent, elastic SP group",
                        description=__doc__.splitlines()[0])
     p.add_argument("--sp", type=int, default=1, help="ranks of the SP group (local worker processes)")
-    p.add_argument("--model", default="tiny", choices=["seedvr2-3b", "seedvr2-7b", "tiny", "tiny-7b", "small"])
+    p.add_argument("--model", default="tiny", choices=list(MODELS))
     p.add_argument("--dit", metavar="CKPT", help="DiT checkpoint")
     p.add_argument("--vae", metavar="CKPT", help="VAE checkpoint")
     p.add_argument("--text-embedding", metavar="FILE", help="text embedding, e.g. pos_emb.pt")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 for seedvr2-*, fp32 otherwise")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, help="default: bf16 for seedvr2-*, fp32 otherwise")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8189, help="port (0: any free port; the URL is printed)")
     p.add_argument("--token-file", metavar="F", help="file holding the bearer token every request must carry")

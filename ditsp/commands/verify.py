@@ -46,7 +46,7 @@ def check_size(directory: str, degrees: list[int]) -> None:
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..distributed.launcher import RankError, error_line
     from ..models.seedvr2.verify import VectorSetError, format_verify, verify_vectors
-    from .upscale import one_line
+    from ..errors import one_line
 
     degrees = args.sp if isinstance(args.sp, list) else positive_int_list(args.sp)
     try:

@@ -139,6 +139,29 @@ class Comm:
         self.stats.add(kind, _nbytes_rows(t, rows[self.rank] * (self.world_size - 1)), _nbytes_rows(t, others))
         return [o[:n] for o, n in zip(outs, rows)]
 
+    def broadcast(self, t: torch.Tensor, src: int, kind: str = "broadcast") -> torch.Tensor:
+        """``t`` from group rank ``src`` to every rank, in place (receivers pass a buffer of the same shape)."""
+        if self.world_size > 1:
+            dist.broadcast(t, src=dist.get_global_rank(self.group, src), group=self.group)
+            n = t.numel() * t.element_size()
+            self.stats.add(kind, n * (self.world_size - 1) if self.rank == src else 0, 0 if self.rank == src else n)
+        return t
+
+    def broadcast_object(self, obj, src: int):
+        """A small Python object from group rank ``src`` (what receivers pass is ignored)."""
+        if self.world_size == 1:
+            return obj
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
+        self.stats.add("broadcast_object", 0, 0)
+        return box[0]
+
+    def barrier(self) -> None:
+        """Every rank of the group reaches this point."""
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+            self.stats.add("barrier", 0, 0)
+
     def all_gather_object(self, obj) -> list:
         """Small Python objects from every rank (agreement checks)."""
         if self.world_size == 1:

@@ -446,7 +446,8 @@ def shape_key(chunks, shapes) -> tuple:
 # -- execution ---------------------------------------------------------------------
 
 
-def _offsets(sizes: Sequence[int]) -> list[int]:
+def offsets(sizes: Sequence[int]) -> list[int]:
+    """Start of every share, plus the total at the end (the one prefix-sum helper of ditsp)."""
     o = [0]
     for v in sizes:
         o.append(o[-1] + int(v))
@@ -475,7 +476,7 @@ def _execute(comm: Comm, plan: Plan, src, ins, outs, kind, place: Placement | No
     me, n, shape = comm.rank, comm.world_size, src.row_shape
     k = plan.chunks if plan.policy == "chunked" else 1
     cin, cout = _crossing(ins, me), _crossing(outs, me)
-    in_off, out_off = _offsets(ins), _offsets(outs)
+    in_off, out_off = offsets(ins), offsets(outs)
     in_cuts, out_cuts = [_cuts(v, k) for v in cin], [_cuts(v, k) for v in cout]
     send_c, recv_c = chunk_rows(cin, k), chunk_rows(cout, k)
     new = dict(dtype=src.dtype, device=src.device)

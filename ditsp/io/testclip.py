@@ -19,10 +19,10 @@ import av
 import numpy as np
 import torch
 
-from ..models.seedvr2.pipeline.windows import seam_metric
-from .video import WRITE_VIDEO_EXTS, _fail, _to_fraction, atomic_path, video_encoder
+from .formats import WRITE_VIDEO_EXTS, container
+from .video import _fail, _to_fraction, atomic_path, video_encoder
 
-__all__ = ["make_test_clip", "seam_metric", "scene_frame", "scene_frames"]
+__all__ = ["make_test_clip", "scene_frame", "scene_frames"]
 
 AUDIO_RATE = 48_000
 TONE_HZ = 440.0
@@ -85,11 +85,9 @@ def make_test_clip(
         raise ValueError(f"width and height must be even and >= 16, got {width}x{height}")
     p = Path(path)
     rate = _to_fraction(fps)
-    exts = WRITE_VIDEO_EXTS + (".mkv",)
-    with atomic_path(p, exts, overwrite) as tmp:
-        fmt = {".mkv": "matroska", ".mov": "mov"}.get(p.suffix.lower(), "mp4")
+    with atomic_path(p, WRITE_VIDEO_EXTS, overwrite) as tmp:
         try:
-            with av.open(str(tmp), "w", format=fmt) as out:
+            with av.open(str(tmp), "w", format=container(p.suffix)) as out:
                 vs = out.add_stream(video_encoder(), rate=rate)
                 vs.width, vs.height, vs.pix_fmt = width, height, "yuv420p"
                 if vs.codec_context.name == "libx264":

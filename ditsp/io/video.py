@@ -10,8 +10,9 @@ folder and moved into place with ``os.replace`` only when complete; on any
 error the temporary file is removed. An existing file is never replaced
 unless ``overwrite=True``. Videos are H.264 (libx264, falling back to MPEG-4
 part 2 when the PyAV build lacks it) in yuv420p, with the quality set by
-``crf``; the input's audio can be copied into the output (remuxed when MP4
-can carry its codec, re-encoded to AAC otherwise).
+``crf``, in the container :mod:`.formats` names for the extension; the input's
+audio can be copied into the output (remuxed when the container can carry its
+codec, re-encoded to AAC otherwise).
 
 Every problem with a file the user named raises ``MediaError`` with a one-line
 message.
@@ -34,13 +35,17 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from .formats import (  # noqa: F401 - the lists live in .formats; re-exported for old imports
+    IMAGE_EXTS,
+    MP4_AUDIO_CODECS,
+    VIDEO_EXTS,
+    WRITE_IMAGE_EXTS,
+    WRITE_VIDEO_EXTS,
+    audio_copy_codecs,
+    container,
+)
+
 MIN_SIDE = 16
-IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
-VIDEO_EXTS = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".ts", ".flv", ".wmv", ".gif")
-WRITE_VIDEO_EXTS = (".mp4", ".m4v", ".mov")
-WRITE_IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp")
-# Audio codecs the MP4/MOV muxer takes as they are; anything else is re-encoded to AAC.
-MP4_AUDIO_CODECS = frozenset({"aac", "mp3", "ac3", "eac3", "alac", "opus", "flac"})
 AAC_BITRATE = 160_000
 
 
@@ -569,14 +574,14 @@ _VFR_TICKS = 90000  # the time base of frames written at their own times (the MP
 
 
 class VideoWriter:
-    """Write uint8 frames to an MP4 (or MOV) file, atomically, optionally with another file's audio.
+    """Write uint8 frames to an MP4 (M4V, MOV or MKV) file, atomically, optionally with another file's audio.
 
     ``write(frames)`` takes ``(n, H, W, 3)`` (or ``(n, 3, H, W)``) uint8
     chunks; ``close()`` finishes the file and moves it into place. Used as a
     context manager, an exception inside the block discards everything.
 
     ``audio_from`` names a media file whose first audio stream goes into the
-    output: copied packet by packet when MP4 can carry the codec, otherwise
+    output: copied packet by packet when the container can carry the codec, otherwise
     decoded and re-encoded to AAC. Audio is interleaved as the video is
     written and cut to the video's duration at ``close()``.
     """
@@ -616,8 +621,7 @@ class VideoWriter:
         self._ctx = atomic_path(self.path, WRITE_VIDEO_EXTS, overwrite)
         self._tmp = self._ctx.__enter__()
         try:
-            fmt = "mov" if self.path.suffix.lower() == ".mov" else "mp4"
-            self._out = av.open(str(self._tmp), "w", format=fmt)
+            self._out = av.open(str(self._tmp), "w", format=container(self.path.suffix))
             if audio_from is not None:
                 self._open_audio(Path(audio_from))
         except BaseException as e:
@@ -640,7 +644,7 @@ class VideoWriter:
         # keep A/V sync relative to the first video timestamp of the source
         if vs and vs[0].start_time is not None and vs[0].time_base:
             self._audio_offset = float(vs[0].start_time * vs[0].time_base)
-        if a.codec_context.name in MP4_AUDIO_CODECS:
+        if a.codec_context.name in audio_copy_codecs(self.path.suffix):
             self.audio_mode = "copy"
             self._audio_out = self._out.add_stream_from_template(a)
         else:

@@ -19,7 +19,6 @@ Routes (see docs/serve.md)::
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import json
 import os
@@ -33,18 +32,13 @@ from fastapi import Depends, FastAPI, File, Form, HTTPException, Request, Upload
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..errors import one_line
+from ..models.seedvr2 import request as job_request
 from .store import STATES, JobStore, new_id
 
 ID_RE = re.compile(r"^[0-9a-f]{32}$")
 MiB = 2**20
-# option -> (type, allowed values or None); everything else is refused
-OPTIONS = {
-    "resolution": (str, None), "scale": (float, None), "size": (str, None), "seed": (int, None),
-    "color_fix": (str, ("wavelet", "adain", "none")), "window_frames": (int, None), "overlap": (int, None),
-    "vae_mode": (str, ("auto", "replicated", "chunked", "time", "height", "height+chunks", "tiled")),
-    "vae_chunk": (int, None), "planner": (str, ("lpt", "locality")), "crf": (int, None), "fps": (float, None),
-    "format": (str, ("mp4", "mov", "m4v", "png", "jpg", "jpeg", "webp")),
-}
+OPTIONS = job_request.HTTP_OPTIONS  # the job options, their types and values: owned by the request module
 
 
 @dataclass
@@ -72,8 +66,8 @@ class Settings:
     def weights(self):
         from ..models.seedvr2.weights import WeightsSpec
 
-        dtype = self.dtype or ("bf16" if self.model.startswith("seedvr2") else "fp32")
-        return WeightsSpec(self.model, self.dit, self.vae, self.text_embedding, dtype)
+        return WeightsSpec(self.model, self.dit, self.vae, self.text_embedding,
+                           self.dtype or job_request.default_dtype(self.model))
 
 
 def _bad(status: int, msg: str) -> HTTPException:
@@ -85,25 +79,10 @@ def _check_options(raw: str) -> dict:
         opts = json.loads(raw or "{}")
     except json.JSONDecodeError as e:
         raise _bad(400, f"options: not valid JSON ({e.msg})") from None
-    if not isinstance(opts, dict):
-        raise _bad(400, "options: must be a JSON object")
-    out = {}
-    for k, v in opts.items():
-        if k not in OPTIONS:
-            raise _bad(400, f"options: unknown option {k!r}; known: {', '.join(sorted(OPTIONS))}")
-        typ, choices = OPTIONS[k]
-        if v is None:
-            continue
-        if typ is float and isinstance(v, int) and not isinstance(v, bool):
-            v = float(v)
-        if not isinstance(v, typ) or isinstance(v, bool):
-            raise _bad(400, f"options: {k} must be {typ.__name__}")
-        if choices and v not in choices:
-            raise _bad(400, f"options: {k} must be one of {', '.join(choices)}")
-        out[k] = v
-    if sum(k in out for k in ("resolution", "scale", "size")) > 1:
-        raise _bad(400, "options: give at most one of resolution, scale, size")
-    return out
+    try:
+        return job_request.parse_http_options(opts)
+    except ValueError as e:
+        raise _bad(400, str(e)) from None
 
 
 def _inside(path: str, folders: list[str]) -> bool:
@@ -247,7 +226,6 @@ def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
 
     @app.post("/v1/jobs", status_code=201)
     def submit(file: UploadFile | None = File(None), path: str | None = Form(None), options: str = Form("{}")):
-        from ..commands.upscale import build_request, check_memory
         from ..io.video import MediaError, probe
 
         if (file is None) == (path is None):
@@ -274,10 +252,11 @@ def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
                 raise _bad(400, f"input: cannot be read as a video, image or folder of frames ({_one(e)})") from None
             fmt = opts.get("format") or ("png" if kind == "image" else "mp4")
             out = store.results / f"{job_id}.{fmt}"
-            args = _upscale_args(settings, src, str(out), opts)
+            job = job_options(settings, src, str(out), opts)
             try:
-                req, _info, _frames, geo, window = build_request(args)
-                check_memory(req, geo, window, args)
+                checked = job_request.check(job)
+                job_request.check_memory(checked, job)
+                req = checked.req
             except MemoryError as e:
                 raise _bad(422, _one(e)) from None
             except (ValueError, OSError) as e:
@@ -365,20 +344,12 @@ def _masker(root: Path, allowed: list[str]):
 
 
 def _one(e: BaseException) -> str:
-    from ..commands.upscale import one_line
-
     return one_line(str(e), 300)
 
 
-def _upscale_args(settings: Settings, src: str, out: str, opts: dict) -> argparse.Namespace:
-    """The `ditsp upscale` arguments of a job (so the server checks requests exactly as the CLI does)."""
-    return argparse.Namespace(
-        input=src, output=out, sp=settings.sp, model=settings.model, dit=settings.dit, vae=settings.vae,
-        text_embedding=settings.text_embedding, dtype=settings.dtype, resolution=opts.get("resolution"),
-        scale=opts.get("scale"), size=opts.get("size"), seed=opts.get("seed", 666),
-        color_fix=opts.get("color_fix", "wavelet"), window_frames=opts.get("window_frames", 0),
-        overlap=opts.get("overlap", 4), vae_mode=opts.get("vae_mode", "auto"), vae_chunk=opts.get("vae_chunk", 1),
-        planner=opts.get("planner"), max_memory=None, force=False, fps=opts.get("fps"),
-        crf=opts.get("crf", 18), overwrite=False, threads=settings.threads, timeout=settings.job_timeout_s,
-        plot=None, check=False, json=True, no_progress=True, deterministic=settings.deterministic,
-    )
+def job_options(settings: Settings, src: str, out: str, opts: dict) -> job_request.Options:
+    """A job's request options: its HTTP options and the server's settings (checked exactly as the CLI's)."""
+    return job_request.from_http(opts, input=src, output=out, sp=settings.sp, model=settings.model, dit=settings.dit,
+                             vae=settings.vae, text_embedding=settings.text_embedding, dtype=settings.dtype,
+                             threads=settings.threads, timeout=settings.job_timeout_s,
+                             deterministic=settings.deterministic)

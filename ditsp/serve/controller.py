@@ -288,7 +288,7 @@ class Controller:
     # -- jobs -----------------------------------------------------------------
 
     def _request(self, job: dict):
-        from ..models.seedvr2.restore import UpscaleRequest
+        from ..models.seedvr2.request import UpscaleRequest
 
         r = dict(job["request"])
         for k in ("area", "size"):

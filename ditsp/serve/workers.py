@@ -30,7 +30,6 @@ blocked on it fail too, and it waits for the next ``form``.
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -40,12 +39,11 @@ import traceback
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..distributed.launcher import LOOPBACK, _loopback_ifname, die_with_parent, error_line
-
-STORE_PREFIX = "ditsp-gen"
+from ..distributed.comm import Comm
+from ..distributed.elastic import STORE_PREFIX, ElasticGroup  # noqa: F401 - STORE_PREFIX re-exported
+from ..distributed.launcher import _loopback_ifname, die_with_parent, error_line
 
 
 class WorkerDied(RuntimeError):
@@ -132,8 +130,8 @@ def _set_tensor(root: torch.nn.Module, dotted: str, kind: str, t: torch.Tensor) 
         mod._buffers[leaf] = t
 
 
-def share_weights(spec, group_rank: int) -> dict:
-    """Give every rank of the current group the weights of ``spec``; the ranks holding them send them."""
+def share_weights(spec, comm: Comm) -> dict:
+    """Give every rank of ``comm``'s group the weights of ``spec``; the ranks holding them send them."""
     from ..models.seedvr2 import weights
 
     t0 = time.perf_counter()
@@ -141,11 +139,7 @@ def share_weights(spec, group_rank: int) -> dict:
     # The copy rebuilds a receiver from a float skeleton: quantized weights (FP8/GGUF kept as stored
     # bytes) are not sent; a rank that lacks them loads them from storage.
     shareable = have and not _quantized(weights.cached(spec))
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    pairs = [(have, shareable)] * world
-    if world > 1:
-        pairs = [None] * world
-        dist.all_gather_object(pairs, (have, shareable))
+    pairs = comm.all_gather_object((have, shareable))
     flags = [s for _, s in pairs]
     if all(h for h, _ in pairs):
         return {"source": "cache", "copy_s": 0.0, "bytes": 0}
@@ -155,19 +149,17 @@ def share_weights(spec, group_rank: int) -> dict:
         weights.load(spec)
         return {"source": "storage", "copy_s": time.perf_counter() - t0, "bytes": 0}
     src = flags.index(True)
-    if group_rank == src:
+    if comm.rank == src:
         tensors = _tensors(weights.cached(spec))
         manifest = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors]
         raw = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors]
         flat = torch.cat(raw) if raw else torch.zeros(0, dtype=torch.uint8)
-        dist.broadcast_object_list([manifest, flat.numel()], src=src)
-        dist.broadcast(flat, src=src)
+        comm.broadcast_object([manifest, flat.numel()], src)
+        comm.broadcast(flat, src, kind="weights")
         return {"source": "sent", "copy_s": time.perf_counter() - t0, "bytes": int(flat.numel())}
-    box = [None, None]
-    dist.broadcast_object_list(box, src=src)
-    manifest, nbytes = box
+    manifest, nbytes = comm.broadcast_object(None, src)
     flat = torch.empty(nbytes, dtype=torch.uint8)
-    dist.broadcast(flat, src=src)
+    comm.broadcast(flat, src, kind="weights")
     if have:  # this rank held them already: nothing to install
         return {"source": "cache", "copy_s": time.perf_counter() - t0, "bytes": 0}
     dit, vae = _skeleton(spec)
@@ -206,56 +198,20 @@ def request_grids(req) -> list[tuple[int, int, int]]:
     return sorted(grids)
 
 
-def replan(spec, grids, planner: str) -> dict:
-    """Build the SP runtimes of ``grids`` on the current group (fills the plan cache)."""
+def replan(spec, grids, planner: str, comm: Comm) -> dict:
+    """Build the SP runtimes of ``grids`` on ``comm``'s group (fills the plan cache)."""
     from ..config import ParallelConfig
     from ..models.seedvr2 import weights
     from ..models.seedvr2.parallelize import parallelize
 
     t0 = time.perf_counter()
     models = weights.cached(spec)
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = comm.world_size
     if models is not None:
         for grid in grids:
-            parallelize(models.dit.cfg, ParallelConfig(ulysses_degree=world), tuple(grid),
-                        dist.group.WORLD if world > 1 else None, planner)
+            parallelize(models.dit.cfg, ParallelConfig.window(world), tuple(grid),
+                        comm.group, planner)
     return {"replan_s": time.perf_counter() - t0, "grids": len(grids)}
-
-
-class _Group:
-    """This worker's view of its current group."""
-
-    def __init__(self, port: int, timeout_s: float):
-        self.port, self.timeout_s = port, timeout_s
-        self.store = None
-        self.rank, self.world, self.gen = 0, 1, -1
-
-    def drop(self) -> None:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group still has to go
-                pass
-
-    def form(self, gen: int, rank: int, world: int) -> dict:
-        t0 = time.perf_counter()
-        self.drop()
-        self.rank, self.world, self.gen = rank, world, gen
-        if world > 1:
-            if self.store is None:
-                self.store = dist.TCPStore(LOOPBACK, self.port, None, False,
-                                           datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
-            prefixed = dist.PrefixStore(f"{STORE_PREFIX}{gen}/", self.store)
-            dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=self.timeout_s))
-            dist.barrier()
-        return {"form_s": time.perf_counter() - t0, "gen": gen, "rank": rank, "world": world}
-
-    def context(self):
-        from ..distributed.launcher import RankContext
-
-        group = dist.group.WORLD if self.world > 1 else None
-        return RankContext(self.rank, self.world, group, torch.device("cpu"))
 
 
 def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, answers, progress,
@@ -279,7 +235,7 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
     from ..models.seedvr2 import parallelize, restore  # noqa: F401
     from ..models.seedvr2.vae import sharded  # noqa: F401
 
-    group = _Group(port, timeout_s)
+    group = ElasticGroup(port, timeout_s)
     signal.signal(PEER_LOST_SIGNAL, _on_peer_lost)
     answers.send((0, True, {"pid": os.getpid()}))
     while True:
@@ -291,9 +247,9 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
             if name == "form":
                 out = group.form(**payload)
             elif name == "weights":
-                out = share_weights(payload["spec"], group.rank)
+                out = share_weights(payload["spec"], group.comm())
             elif name == "replan":
-                out = replan(payload["spec"], payload["grids"], payload["planner"])
+                out = replan(payload["spec"], payload["grids"], payload["planner"], group.comm())
             elif name == "job":
                 from ..models.seedvr2.restore import rank_upscale
 

@@ -55,7 +55,7 @@ from ..distributed.agree import agree
 from ..distributed.comm import Comm
 from ..fixed_shape import DETERMINISTIC
 from ..windows.exchange import exchange
-from ..windows.geometry import WindowLayout, canonical_method, check_grid, short_name, window_layout
+from ..windows.geometry import NUM_WINDOWS, WindowLayout, canonical_method, check_grid, short_name, window_layout
 from ..windows.ownership import RowOwnership, ownership_transition
 from ..windows.plan import LRUCache, Transition
 from .handoff import rows_to_tokens, tokens_to_rows
@@ -170,7 +170,7 @@ def _build(grid, methods, world, num_windows, a, b) -> HaloPlan:
 
 
 def plan_halo(grid: Sequence[int], layer_methods: Sequence[str], world_size: int,
-              num_windows: Sequence[int] = (4, 3, 3), blocks: tuple[int, int] | None = None) -> HaloPlan:
+              num_windows: Sequence[int] = NUM_WINDOWS, blocks: tuple[int, int] | None = None) -> HaloPlan:
     """The (cached) halo-slab plan; ``blocks`` forces the ``(time, height)`` block counts."""
     grid = check_grid(grid)
     methods = tuple(canonical_method(m) for m in layer_methods)
@@ -211,7 +211,7 @@ class HaloSlabRuntime:
     kernel_shapes = DETERMINISTIC
 
     def __init__(self, grid: Sequence[int], layer_methods: Sequence[str], comm: Comm,
-                 num_windows: Sequence[int] = (4, 3, 3), dtype: torch.dtype = torch.float32,
+                 num_windows: Sequence[int] = NUM_WINDOWS, dtype: torch.dtype = torch.float32,
                  blocks: tuple[int, int] | None = None):
         self.comm, self.rank, self.world_size, self.dtype = comm, comm.rank, comm.world_size, dtype
         methods = [canonical_method(m) for m in layer_methods]
@@ -225,7 +225,7 @@ class HaloSlabRuntime:
         self._ids = torch.from_numpy(self.plan.slabs.rank_ids(self.rank))
 
     @classmethod
-    def single(cls, grid, layer_methods, num_windows=(4, 3, 3), dtype=torch.float32) -> "HaloSlabRuntime":
+    def single(cls, grid, layer_methods, num_windows=NUM_WINDOWS, dtype=torch.float32) -> "HaloSlabRuntime":
         return cls(grid, layer_methods, Comm.single(), num_windows, dtype)
 
     @property

@@ -34,7 +34,7 @@ from ..distributed.agree import agree
 from ..distributed.comm import Comm
 from ..fixed_shape import DETERMINISTIC
 from ..windows.exchange import exchange
-from ..windows.geometry import canonical_method, short_name
+from ..windows.geometry import NUM_WINDOWS, canonical_method, short_name
 from ..windows.packed import PackedLayout, packed_layout
 from ..windows.plan import Plan, transition
 from ..windows.planners import plan_layouts
@@ -71,7 +71,7 @@ class PackedWindowRuntime:
     kernel_shapes = DETERMINISTIC
 
     def __init__(self, grids: Sequence[Sequence[int]], layer_methods: Sequence[str], comm: Comm,
-                 text_lens: Sequence[int], planner: str = "lpt", num_windows: Sequence[int] = (4, 3, 3),
+                 text_lens: Sequence[int], planner: str = "lpt", num_windows: Sequence[int] = NUM_WINDOWS,
                  dtype: torch.dtype = torch.float64):
         self.comm = comm
         self.rank, self.world_size = comm.rank, comm.world_size
@@ -99,7 +99,7 @@ class PackedWindowRuntime:
         self._rids: dict = {}
 
     @classmethod
-    def single(cls, grids, layer_methods, text_lens, num_windows=(4, 3, 3), dtype=torch.float64, planner="lpt"):
+    def single(cls, grids, layer_methods, text_lens, num_windows=NUM_WINDOWS, dtype=torch.float64, planner="lpt"):
         return cls(grids, layer_methods, Comm.single(), text_lens, planner, num_windows, dtype)
 
     # -- layout facts ------------------------------------------------------------

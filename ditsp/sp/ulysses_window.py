@@ -25,7 +25,7 @@ from ..attention.ulysses import head_plan, head_to_seq, seq_to_head
 from ..attention.window import WindowPack, window_attention
 from ..distributed.agree import agree
 from ..distributed.comm import Comm
-from ..windows.geometry import canonical_method, short_name
+from ..windows.geometry import NUM_WINDOWS, canonical_method, short_name
 from ..windows.schedule import plan_schedule
 from ..windows.ownership import RowOwnership
 from .handoff import rows_to_tokens, tokens_to_rows
@@ -36,7 +36,7 @@ class UlyssesWindowRuntime(ScheduleRuntime):
     """Contiguous token shards + head-sharded window attention; implements :class:`SPRuntime`."""
 
     def __init__(self, grid: Sequence[int], layer_methods: Sequence[str], heads: int, comm: Comm,
-                 num_windows: Sequence[int] = (4, 3, 3), dtype: torch.dtype = torch.float32):
+                 num_windows: Sequence[int] = NUM_WINDOWS, dtype: torch.dtype = torch.float32):
         self.comm, self.rank, self.world_size, self.dtype = comm, comm.rank, comm.world_size, dtype
         methods = [canonical_method(m) for m in layer_methods]
         agree(comm, "the Ulysses window request (grid, schedule, heads, world size)",

@@ -34,7 +34,7 @@ from ..attention.window import WindowPack, window_attention
 from ..distributed.agree import agree
 from ..distributed.comm import Comm
 from ..windows.exchange import exchange
-from ..windows.geometry import canonical_method, short_name
+from ..windows.geometry import NUM_WINDOWS, canonical_method, short_name
 from ..windows.plan import Plan
 from ..windows.schedule import SchedulePlan, plan_schedule
 from ..windows.ownership import RowOwnership
@@ -51,7 +51,7 @@ class WindowRuntime(ScheduleRuntime):
         layer_methods: Sequence[str],
         comm: Comm,
         planner: str = "lpt",
-        num_windows: Sequence[int] = (4, 3, 3),
+        num_windows: Sequence[int] = NUM_WINDOWS,
         dtype: torch.dtype = torch.float32,
     ):
         self.comm = comm
@@ -76,7 +76,7 @@ class WindowRuntime(ScheduleRuntime):
         self.current: str | None = None
 
     @classmethod
-    def single(cls, grid, layer_methods, num_windows=(4, 3, 3), dtype=torch.float32,
+    def single(cls, grid, layer_methods, num_windows=NUM_WINDOWS, dtype=torch.float32,
                planner="lpt") -> "WindowRuntime":
         """One rank, no process group: the single-device path."""
         return cls(grid, layer_methods, Comm.single(), planner, num_windows, dtype)

@@ -15,6 +15,9 @@ from typing import Sequence
 
 import numpy as np
 
+# The reference's window counts (t, h, w) of a 720p-sized grid, scaled by size for other grids.
+NUM_WINDOWS = (4, 3, 3)
+
 GEOMETRY_VERSION = 1
 REFERENCE_AREA = 45 * 80  # 720x1280 pixels / 16x16 pixels per post-patch token
 MAX_TEMPORAL_WINDOW = 30  # BYTEDANCE_MAX_TEMPORAL_WINDOW
@@ -65,7 +68,7 @@ def _check_num_windows(num_windows: Sequence[int]) -> tuple[int, int, int]:
     return tuple(int(n) for n in num_windows)  # type: ignore[return-value]
 
 
-def window_size(grid: Sequence[int], num_windows: Sequence[int] = (4, 3, 3)) -> Grid:
+def window_size(grid: Sequence[int], num_windows: Sequence[int] = NUM_WINDOWS) -> Grid:
     """(wt, wh, ww): the 720p-normalised window size of the reference."""
     t, h, w = check_grid(grid)
     nt, nh, nw = _check_num_windows(num_windows)
@@ -88,7 +91,7 @@ def _shifted_cuts(size: int, win: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in cuts if b > a]  # empty windows are dropped
 
 
-def make_windows(grid: Sequence[int], method: str, num_windows: Sequence[int] = (4, 3, 3)) -> list[Window]:
+def make_windows(grid: Sequence[int], method: str, num_windows: Sequence[int] = NUM_WINDOWS) -> list[Window]:
     """Windows of ``grid`` in reference order (w outermost, then h, t fastest)."""
     t, h, w = check_grid(grid)
     cuts = _regular_cuts if canonical_method(method) == REGULAR else _shifted_cuts
@@ -97,7 +100,7 @@ def make_windows(grid: Sequence[int], method: str, num_windows: Sequence[int] = 
     return [(slice(*st), slice(*sh), slice(*sw)) for sw in cw for sh in ch for st in ct]
 
 
-def window_counts(grid: Sequence[int], method: str, num_windows: Sequence[int] = (4, 3, 3)) -> Grid:
+def window_counts(grid: Sequence[int], method: str, num_windows: Sequence[int] = NUM_WINDOWS) -> Grid:
     """Windows along (t, h, w) of ``grid`` for ``method``, by arithmetic (no window list is built).
 
     The same counts as :func:`make_windows`, whose window list is their product.
@@ -120,7 +123,7 @@ def window_counts(grid: Sequence[int], method: str, num_windows: Sequence[int] =
     return (count(t, wt), count(h, wh), count(w, ww))
 
 
-def geometry_fingerprint(method: str, num_windows: Sequence[int] = (4, 3, 3)) -> str:
+def geometry_fingerprint(method: str, num_windows: Sequence[int] = NUM_WINDOWS) -> str:
     """SHA-1 over the method, its parameters and the geometry version."""
     text = (
         f"v{GEOMETRY_VERSION}|{canonical_method(method)}|nw={tuple(_check_num_windows(num_windows))}"
@@ -209,6 +212,6 @@ def _layout(grid: Grid, method: str, num_windows: tuple[int, int, int]) -> Windo
     )
 
 
-def window_layout(grid: Sequence[int], method: str, num_windows: Sequence[int] = (4, 3, 3)) -> WindowLayout:
+def window_layout(grid: Sequence[int], method: str, num_windows: Sequence[int] = NUM_WINDOWS) -> WindowLayout:
     """The (cached, immutable) layout of ``grid`` for ``method``."""
     return _layout(check_grid(grid), canonical_method(method), _check_num_windows(num_windows))

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .geometry import WindowLayout, canonical_method, check_grid, window_layout
+from .geometry import NUM_WINDOWS, WindowLayout, canonical_method, check_grid, window_layout
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,7 +84,7 @@ def _packed(grids: tuple, method: str, num_windows: tuple) -> PackedLayout:
     return PackedLayout(layout, grids, tuple(row_off), tuple(win_off))
 
 
-def packed_layout(grids: Sequence[Sequence[int]], method: str, num_windows: Sequence[int] = (4, 3, 3)) -> PackedLayout:
+def packed_layout(grids: Sequence[Sequence[int]], method: str, num_windows: Sequence[int] = NUM_WINDOWS) -> PackedLayout:
     """The (cached) packed layout of ``grids`` (one per request, in request order) for ``method``."""
     if not grids:
         raise ValueError("a packed layout needs at least one request grid")

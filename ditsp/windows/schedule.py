@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .geometry import WindowLayout, canonical_method, check_grid, short_name, window_counts, window_layout
+from .geometry import NUM_WINDOWS, WindowLayout, canonical_method, check_grid, short_name, window_counts, window_layout
 from .plan import Plan, Transition, transition
 from .planners import plan_layouts
 
@@ -119,7 +119,7 @@ def estimate_plan(
     layer_methods: Sequence[str],
     world_size: int,
     planner: str = "lpt",
-    num_windows: Sequence[int] = (4, 3, 3),
+    num_windows: Sequence[int] = NUM_WINDOWS,
 ) -> PlanEstimate:
     """Model the memory and time of :func:`plan_schedule` and of the schedule's transitions,
     by arithmetic only (no layout is built): tokens x bytes per token of the layout and plan
@@ -188,7 +188,7 @@ def check_plan_size(
     layer_methods: Sequence[str],
     world_size: int,
     planner: str = "lpt",
-    num_windows: Sequence[int] = (4, 3, 3),
+    num_windows: Sequence[int] = NUM_WINDOWS,
     max_bytes: int | None = None,
     max_seconds: float | None = None,
     extra_bytes: int = 0,
@@ -219,7 +219,7 @@ def plan_schedule(
     layer_methods: Sequence[str],
     world_size: int,
     planner: str = "lpt",
-    num_windows: Sequence[int] = (4, 3, 3),
+    num_windows: Sequence[int] = NUM_WINDOWS,
     max_bytes: int | None = None,
     max_seconds: float | None = None,
 ) -> SchedulePlan:

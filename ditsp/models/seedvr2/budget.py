@@ -13,43 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ...dtypes import DTYPES, itemsize
 from ...memory import available_bytes  # noqa: F401 - re-exported for the upscale command
 from .nadit.config import get_config
 from .vae.config import PRESETS as VAE_PRESETS
+from .vae.modes import AUTO
 from .weights import MODELS
 from ...weights.sizing import WeightBytes
 
 GiB = 2**30
-ELEM = {"fp32": 4, "bf16": 2}
-
-
-# VAE modes whose output is bitwise the one-device output at every SP degree (same thread count per
-# rank), in order of preference: the height splits and the time split are torch.equal to
-# ``replicated`` in fp32 and bf16 at SP 2-4 (tests/test_vae_sharded.py), and ``chunked`` to
-# ``replicated``; so whichever fits first keeps the restoration identical at every degree.
-INVARIANT_VAE_MODES = ("height", "height+chunks", "replicated", "chunked", "time")
-
-
-def pipeline_vae_mode(vae_cfg, shape: tuple[int, int, int], world: int, budget: int | None, dtype: torch.dtype,
-                      chunk: int = 1, requested: str = "auto") -> str:
-    """The VAE mode a restoration runs: ``requested``, or for ``auto`` the first listed invariant mode that fits.
-
-    Every mode in :data:`INVARIANT_VAE_MODES` gives bitwise the result of one
-    device at any SP degree on CPU (tested in ``tests/test_vae_sharded.py``),
-    so whichever fits keeps the restoration identical at every degree. The
-    sharded ones come first: they split the VAE's work and memory across the
-    group. Only when none fits ``budget`` per rank does ``"auto"`` fall back
-    to the VAE's own choice (tiled: approximate).
-    """
-    if requested != "auto":
-        return requested
-    from .vae.memory import estimate as vae_estimate
-
-    for mode in INVARIANT_VAE_MODES:
-        peak = max(vae_estimate(vae_cfg, op, shape, world, mode, dtype, chunk).total for op in ("encode", "decode"))
-        if budget is None or peak <= budget:
-            return mode
-    return "auto"
 
 
 @dataclass(frozen=True)
@@ -86,7 +58,7 @@ def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: i
 
     cfg = get_config(model)
     vcfg = VAE_PRESETS[MODELS[model]]
-    e = ELEM[dtype]
+    e = itemsize(dtype)
     T = padded_length(frames)
     H, W = out_hw
     t, h, w = vcfg.latent_shape(T, H, W)
@@ -95,12 +67,12 @@ def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: i
     # Per layer: residual, normed input, q/k/v, attention out, two MLP hidden tensors; text is small.
     dit_act = tokens * (6 * cfg.vid_dim + 2 * hid) * e
     latents = t * h * w * (16 * 4 + 33) * 4  # latent, noise, x0, decoder input in fp32 + the 33-channel input
-    vdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    vdtype = DTYPES[dtype]
     shape = (T, H, W)
-    mode = pipeline_vae_mode(vcfg, shape, sp, budget, vdtype, vae_chunk, vae_mode)
-    if mode == "auto":
+    mode = vae_mode
+    if mode == AUTO:  # what the restoration's VAE will pick (the one meaning of auto); tiled if nothing fits
         try:
-            mode = choose_mode(vcfg, "decode", shape, sp, budget, vdtype, vae_chunk).mode
+            mode = choose_mode(vcfg, shape, sp, budget, vdtype, vae_chunk).mode
         except MemoryError:
             mode = "tiled"
     vae = max(vae_estimate(vcfg, op, shape, sp, mode, vdtype, vae_chunk).total for op in ("encode", "decode"))
@@ -146,7 +118,7 @@ def _smaller_weights(model, dtype, frames, out_hw, sp, vae_mode, budget, weights
 
     if dtype not in ("bf16", "fp32"):
         return []
-    now = weights.kept if weights is not None else get_config(model).param_count() * ELEM[dtype]
+    now = weights.kept if weights is not None else get_config(model).param_count() * itemsize(dtype)
     for fmt, hint in (("fp8_e4m3fn", "--weights-dtype fp8"), ("Q8_0", "a Q8_0 GGUF --dit"),
                       ("Q4_K_M", "a Q4_K_M GGUF --dit")):
         w = dit_weights(model, dtype, fmt=fmt)

@@ -23,9 +23,8 @@ degree sees the same values. Memory is bounded by one window, not the clip.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 
@@ -36,7 +35,6 @@ from ...fixed_shape import shapes_for
 from ...fixed_shape import use as use_kernel_shapes
 from ...memory import PeakMemory
 from ...windows.ownership import RowOwnership
-from .budget import pipeline_vae_mode
 from .parallelize import parallelize
 from .pipeline import (
     StreamingBlender,
@@ -55,38 +53,13 @@ from .pipeline import (
     transform_frames,
 )
 from .pipeline.padding import padded_length
-from .weights import WeightsSpec, load
+from .request import UpscaleRequest  # noqa: F401 - the request lives in .request; re-exported
+from .vae.modes import AUTO, SLAB_MODES
+from .weights import load
 
-STAGES = ("read", "vae_encode", "dit", "vae_decode", "color_fix", "write")
+from .restore_report import STAGES, format_report, plot_report, summarize  # noqa: F401 - re-exported
 GiB = 2**30
 DEFAULT_FPS = 24
-
-
-@dataclass(frozen=True)
-class UpscaleRequest:
-    """One restoration; identical on every rank."""
-
-    input: str
-    output: str
-    weights: WeightsSpec = field(default_factory=WeightsSpec)
-    area: tuple[int, int] | None = None  # target area (w, h), aspect kept; None: the input's size
-    size: tuple[int, int] | None = None  # exact output size (w, h) before the crop to 16
-    seed: int = 666
-    color_fix: str = "wavelet"
-    window_frames: int = 0  # 0: the whole clip in one window
-    overlap: int = 4
-    vae_mode: str = "auto"
-    vae_chunk: int = 1
-    budget_gib: float | None = None  # per-rank memory budget for the VAE's auto mode and the estimate
-    planner: str | None = None  # None: the DiT's SP path by the cost model (path auto); a name: Plan A with it
-    sp: int = 1
-    crf: int = 18
-    fps: float | None = None  # output frame rate; default: the input's (24 for a folder of frames)
-    overwrite: bool = False
-    progress: bool = True
-    sample_frames: int = 0  # keep this many (input, output) frame pairs for a picture
-    handoff: bool = True  # height-sharded VAE: slabs straight to the DiT's windows (False: gather, then scatter)
-    deterministic: bool = True  # fixed-shape kernel calls in the DiT and the VAE: the same frames at every SP degree
 
 
 class _Frames:
@@ -216,13 +189,11 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
             xp = pad_frames(x, dim=1)[None]  # (1, 3, 4n+1, h, w)
             g = make_generator(win.seed)
 
-            mode = pipeline_vae_mode(vae.cfg, tuple(xp.shape[2:]), ctx.world_size, budget, vae.dtype, req.vae_chunk,
-                                     req.vae_mode)
+            # the step follows the mode auto will pick (a pure choice, no collective); the VAE is asked for
+            # req.vae_mode itself, so its report says why
+            mode = pvae.choose(tuple(xp.shape[2:])).mode if req.vae_mode == AUTO else req.vae_mode
             step = _sharded_window if req.handoff and mode in SLAB_MODES and ctx.world_size > 1 else _whole_window
             decoded, dit_report = step(ctx, models, pvae, runtimes, req, st, win.index, xp, mode, g, vae_reports, bar)
-            if req.vae_mode == "auto":
-                vae_reports = {r.replace("requested", "auto: the first degree-invariant mode that fits")
-                               for r in vae_reports}
             bar.update()
             if not rank0:
                 _all_ok(vae_comm)
@@ -280,9 +251,6 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
     return report
 
 
-SLAB_MODES = ("height", "height+chunks")
-
-
 def _input_times(req: UpscaleRequest, info, frames: int, notes: list[str]) -> list[float] | None:
     """The input's frame times when its frame rate varies (kept in the output), else None; says which."""
     if info.kind != "video":
@@ -306,7 +274,7 @@ def _input_times(req: UpscaleRequest, info, frames: int, notes: list[str]) -> li
 def _runtime(runtimes: dict, ctx, dit, grid, planner: str | None, deterministic: bool):
     if grid not in runtimes:
         group = ctx.group if ctx.world_size > 1 else None
-        pc = ParallelConfig(ulysses_degree=ctx.world_size, deterministic=deterministic)
+        pc = ParallelConfig.window(ctx.world_size, deterministic=deterministic)
         runtimes[grid] = parallelize(dit.cfg, pc, grid, group, planner)
     return runtimes[grid]
 
@@ -316,7 +284,7 @@ def _whole_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, repo
     dit, vae = models.dit, models.vae
 
     def encode():
-        enc = pvae.encode(xp, mode)
+        enc = pvae.encode(xp, req.vae_mode)
         eps = make_noise(enc.posterior.mean.shape, g, dtype=torch.float32)
         reports.add(enc.report)
         z = vae.to_latent(enc.posterior.sample(eps.to(enc.posterior.mean.dtype)))
@@ -331,7 +299,7 @@ def _whole_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, repo
     bar.update()
     z = decoder_latent(one_step_x0(noise, v), dtype=vae.dtype)
     z = z if z.dim() == 5 else z.unsqueeze(2)
-    decoded = st.run("vae_decode", index, lambda: pvae.decode(z, mode))
+    decoded = st.run("vae_decode", index, lambda: pvae.decode(z, req.vae_mode))
     reports.add(pvae.last_report)
     return decoded, rt.report(heads=dit.cfg.heads)
 
@@ -345,7 +313,7 @@ def _sharded_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, re
 
     def encode():
         eps = make_noise((1, vae.cfg.latent_channels, t, h, w), g, dtype=torch.float32)  # canonical draw
-        latent, enc = pvae.encode_latent(xp, mode, noise=eps.to(vae.dtype), keep_sharded=True)
+        latent, enc = pvae.encode_latent(xp, req.vae_mode, noise=eps.to(vae.dtype), keep_sharded=True)
         reports.add(enc.report)
         return vae.channels_last(latent)[0], enc.layout  # (t, rows, w, 16)
 
@@ -395,71 +363,3 @@ def _frame_steps(last: torch.Tensor | None, frames: torch.Tensor) -> list[float]
 def _all_ok(comm: Comm) -> None:
     """A window boundary every rank passes together (rank 0's write errors surface on every rank)."""
     comm.all_gather_object(True)
-
-
-def summarize(results: list[dict]) -> dict:
-    """One report from every rank's: rank 0's, with per-rank peaks and bytes."""
-    out = dict(results[0])
-    out["world_size"] = len(results)
-    out["rank_stage_peak_bytes"] = [r["stage_peak_bytes"] for r in results]
-    out["rank_bytes_sent"] = [r["bytes_sent"] for r in results]
-    out["bytes_moved"] = sum(r["bytes_sent"] for r in results)
-    out.pop("stage_peak_bytes", None)
-    out.pop("rank", None)
-    return out
-
-
-def format_report(s: dict) -> str:
-    """The text report of `ditsp upscale`."""
-    total = sum(s["stage_s"].values())
-    lines = [
-        f"{s['input']} -> {s['output']}: {s['frames_written']} frames, {s['geometry']}, "
-        f"{len(s['windows'])} window(s), SP={s['world_size']}",
-        f"DiT: {s['dit_path']}",
-        f"kernel calls: {s.get('kernel_shapes', 'deterministic')}",
-        *(f"{m}" for m in s["vae_modes"]),
-        *(f"input: {m}" for m in s.get("media_notes") or ()),
-        f"{'stage':<11} {'time s':>8} {'share':>6} {'peak MiB (max rank)':>20}",
-    ]
-    for k in STAGES:
-        peak = max(r[k] for r in s["rank_stage_peak_bytes"])
-        lines.append(f"{k:<11} {s['stage_s'][k]:>8.2f} {100 * s['stage_s'][k] / max(total, 1e-9):>5.0f}% "
-                     f"{peak / 2**20:>20.1f}")
-    lines.append(f"bytes moved (all ranks): {s['bytes_moved'] / 2**20:.2f} MiB; frames sha256 {s['sha256'][:16]}")
-    if s.get("seams"):
-        m = s["seams"]
-        lines.append(f"window seams: mean frame-to-frame change {m['seam']:.2f} at boundaries vs {m['inside']:.2f} "
-                     f"inside windows (ratio {m['ratio']:.2f})")
-    return "\n".join(lines)
-
-
-def plot_report(s: dict, path: str) -> None:
-    """Input vs output frames, and the per-stage timeline of rank 0 (one PNG, written atomically)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    samples = s.get("samples")
-    k = 0 if samples is None else samples[0].shape[0]
-    fig = plt.figure(figsize=(4 * max(k, 2), 7 if k else 3))
-    rows = 3 if k else 1
-    for i in range(k):
-        for r, (imgs, label) in enumerate(zip(samples, ("input (resized)", "restored"))):
-            ax = fig.add_subplot(rows, k, r * k + i + 1)
-            ax.imshow(imgs[i].numpy())
-            ax.set_title(f"{label}, sample {i + 1}", fontsize=9)
-            ax.axis("off")
-    ax = fig.add_subplot(rows, 1, rows)
-    colors = dict(zip(STAGES, plt.get_cmap("tab10").colors))
-    for stage, win, a, b in s["timeline"]:
-        ax.barh(STAGES.index(stage), b - a, left=a, color=colors[stage], edgecolor="black", linewidth=0.3)
-    ax.set_yticks(range(len(STAGES)), STAGES)
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds (rank 0)")
-    ax.set_title(f"per-stage timeline, SP={s['world_size']}, {len(s['windows'])} window(s)", fontsize=9)
-    fig.tight_layout()
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, path)

@@ -123,7 +123,7 @@ def _nadit_rank(ctx, directory: str, planner: str) -> tuple[float, str, str]:
     from .parallelize import parallelize
 
     cfg, model, io = _load_nadit(directory)
-    rt = parallelize(cfg, ParallelConfig(ulysses_degree=ctx.world_size, window_planner=planner),
+    rt = parallelize(cfg, ParallelConfig.window(ctx.world_size, window_planner=planner),
                      model.grid_of(io["vid_in"].shape), ctx.group, planner, path="window")
     out = model(io["vid_in"], io["txt_in"], io["timestep"], runtime=rt)
     return rel_err(out.reshape(io["vid_out"].shape), io["vid_out"]), _digest(out), rt.report(heads=cfg.heads)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...dtypes import DTYPES
 from ...weights.load import quantize_
 from .nadit.config import PRESETS as DIT_PRESETS
 from .nadit.model import build_model
@@ -21,8 +22,7 @@ from .vae import VideoVAE, load_checkpoint
 from .vae.fixtures import seeded_vae
 from .vae.config import PRESETS as VAE_PRESETS
 
-# DiT preset -> VAE preset.
-MODELS = {"seedvr2-3b": "released", "seedvr2-7b": "released", "tiny": "tiny", "tiny-7b": "tiny", "small": "tiny"}
+from .presets import MODELS, OFFERED, default_dtype  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,6 @@ _CACHE: dict = {}
 
 def load(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2:
     """The pieces of ``spec`` for this process (built on first use; one set kept)."""
-    from ...engine import DTYPES
 
     key = (spec, str(device))
     if key in _CACHE:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ....windows.geometry import REGULAR, SHIFTED, canonical_method
+from ....windows.geometry import NUM_WINDOWS, REGULAR, SHIFTED, canonical_method
 
 
 def swiglu_hidden(dim: int, expand_ratio: int = 4) -> int:
@@ -45,7 +45,7 @@ class NaDiTConfig:
     rope_max_freq: float = 256.0  # 7B pixel frequencies: pi * linspace(1, max_freq / 2, n)
     norm_eps: float = 1e-5
     patch_size: tuple[int, int, int] = (1, 2, 2)
-    num_windows: tuple[int, int, int] = (4, 3, 3)
+    num_windows: tuple[int, int, int] = NUM_WINDOWS
     window_methods: tuple[str, ...] = field(default=())
     txt_len: int = 58  # pos_emb.pt: the released positive text embedding
 

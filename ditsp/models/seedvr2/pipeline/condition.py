@@ -21,12 +21,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..sizing import VAE_SPATIAL, VAE_TEMPORAL  # noqa: F401 - the VAE's factors, defined once
+
 SCALING_FACTOR = 0.9152  # VAE latent scaling (shift 0.0)
 SCHEDULE_T = 1000.0  # continuous lerp schedule length
 LATENT_CHANNELS = 16
 DIT_IN_CHANNELS = 2 * LATENT_CHANNELS + 1
-VAE_TEMPORAL = 4
-VAE_SPATIAL = 8
 SEEDVR2_COND_NOISE_SCALE = 0.0  # SeedVR (v1) scripts use 0.1
 
 _MASK64 = (1 << 64) - 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-VAE_TEMPORAL = 4
+from ..sizing import VAE_TEMPORAL  # the VAE's time factor, defined once
 
 
 def padded_length(frames: int, multiple: int = VAE_TEMPORAL) -> int:

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..sizing import VAE_SPATIAL  # the VAE's space factor, defined once
 from .padding import VAE_TEMPORAL, padded_length
 from .transform import CROP_MULTIPLE, area_size, crop_box
-
-VAE_SPATIAL = 8
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sizing import VAE_TEMPORAL  # the VAE's time factor, defined once
 from .condition import window_seed
-
-VAE_TEMPORAL = 4
 
 
 @dataclass(frozen=True)

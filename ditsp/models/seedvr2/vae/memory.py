@@ -1,4 +1,4 @@
-"""Per-rank memory model of the VAE's execution modes, and the ``auto`` mode choice.
+"""Per-rank memory model of the VAE's execution modes, and the ``auto`` mode choice (one rule, see :mod:`.modes`).
 
 The model walks the network for the largest piece one rank holds (its frames and rows under the
 mode) and, op by op, adds up the tensors the implementation keeps alive at that moment: a resnet's
@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import VaeConfig
+from .layouts import TimeLayout, even_split
+from .modes import AUTO_ORDER, BY_NAME, FALLBACK
 
 GiB = 1024 ** 3
 
@@ -183,8 +185,6 @@ def num_params(cfg: VaeConfig) -> int:
 def piece_of(cfg: VaeConfig, op: str, shape, world: int, mode: str, chunk: int = 1, tile: int = 32,
              overlap: int = 8) -> Piece:
     """The largest piece one rank holds (input frames/rows/cols of the network: pixels or latents)."""
-    from .sharded import TimeLayout, even_split
-
     T, H, W = shape
     t, h, w = cfg.latent_shape(T, H, W)
     s, f = cfg.spatial_factor, cfg.temporal_factor
@@ -247,27 +247,6 @@ def estimate(cfg: VaeConfig, op: str, shape, world: int, mode: str, dtype=torch.
                           wk.peak_op)
 
 
-# Relative cost (time per rank, 1 = one device's plain pass) used to rank the modes that fit.
-def _cost(cfg: VaeConfig, op: str, shape, world: int, mode: str) -> float:
-    from .sharded import TimeLayout, even_split
-
-    T, H, W = shape
-    t, h, w = cfg.latent_shape(T, H, W)
-    if mode == "replicated":
-        return 1.0
-    if mode == "chunked":
-        return 1.03
-    if mode == "time":
-        share = max(q - p for p, q in TimeLayout(t, world).latents) / t
-        return share + 0.02 * world
-    slab = max(b - a for a, b in even_split(h, world)) / h
-    if mode == "height":
-        return slab * 1.1 + 0.02 * world
-    if mode == "height+chunks":
-        return slab * 1.15 + 0.02 * world
-    return 1.5  # tiled: overlap recompute, and approximate
-
-
 @dataclass
 class Choice:
     mode: str
@@ -275,26 +254,30 @@ class Choice:
     estimates: dict = field(default_factory=dict)
 
 
-def choose_mode(cfg: VaeConfig, op: str, shape, world: int, budget: int | None, dtype=torch.bfloat16, chunk: int = 1,
-                tile: int = 32, overlap: int = 8) -> Choice:
-    """The cheapest exact mode whose modelled per-rank peak fits ``budget`` (tiled only if none does).
+def choose_mode(cfg: VaeConfig, shape, world: int, budget: int | None, dtype=torch.bfloat16, chunk: int = 1,
+                tile: int = 32, overlap: int = 8, ops: tuple[str, ...] = ("encode", "decode")) -> Choice:
+    """What ``auto`` means, the one rule (:mod:`.modes`): the first exact mode of ``AUTO_ORDER`` whose modelled
+    per-rank peak over ``ops`` fits ``budget``; tiled (APPROXIMATE) only if none does; else MemoryError.
 
     A pure function of its arguments, so every rank that agreed on them picks the same mode.
     """
-    T = shape[0]
-    cands = ["replicated", "chunked"]
-    if world > 1:
-        if cfg.latent_shape(*shape)[0] >= 2:
-            cands.append("time")
-        cands += ["height", "height+chunks"]
-    est = {m: estimate(cfg, op, shape, world, m, dtype, chunk, tile, overlap) for m in cands + ["tiled"]}
-    fits = [m for m in cands if budget is None or est[m].total <= budget]
-    if fits:
-        m = min(fits, key=lambda m: (_cost(cfg, op, shape, world, m), cands.index(m)))
-        note = "no budget" if budget is None else f"fits {budget / GiB:.2f} GiB"
-        return Choice(m, f"auto: cheapest exact mode, modelled {est[m].total / GiB:.2f} GiB per rank, {note}", est)
-    if budget is not None and est["tiled"].total <= budget:
-        return Choice("tiled", f"auto: no exact mode fits {budget / GiB:.2f} GiB; tiled (APPROXIMATE), modelled "
-                               f"{est['tiled'].total / GiB:.2f} GiB", est)
-    raise MemoryError(f"no VAE mode fits {budget / GiB:.2f} GiB per rank for {op} {shape} at SP={world}: "
-                      + "; ".join(f"{m} {e.total / GiB:.2f} GiB" for m, e in est.items()))
+    t = cfg.latent_shape(*shape)[0]
+    cands = [m for m in AUTO_ORDER if t >= BY_NAME[m].min_latent_frames]
+
+    def peak(m: str) -> int:
+        return max(estimate(cfg, op, shape, world, m, dtype, chunk, tile, overlap).total for op in ops)
+
+    est = {}
+    for m in cands:
+        est[m] = peak(m)
+        if budget is None or est[m] <= budget:
+            note = "no budget" if budget is None else f"fits {budget / GiB:.2f} GiB"
+            return Choice(m, f"auto: the first exact mode that fits, modelled {est[m] / GiB:.2f} GiB per rank, "
+                             f"{note}", est)
+    for m in FALLBACK:
+        est[m] = peak(m)
+        if est[m] <= budget:
+            return Choice(m, f"auto: no exact mode fits {budget / GiB:.2f} GiB; {m} (APPROXIMATE), modelled "
+                             f"{est[m] / GiB:.2f} GiB", est)
+    raise MemoryError(f"no VAE mode fits {budget / GiB:.2f} GiB per rank for {'+'.join(ops)} {tuple(shape)} at "
+                      f"SP={world}: " + "; ".join(f"{m} {b / GiB:.2f} GiB" for m, b in est.items()))

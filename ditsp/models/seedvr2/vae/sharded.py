@@ -37,83 +37,10 @@ import torch
 from ....distributed.agree import agree
 from ....distributed.comm import Comm
 from .execution import Exec
+from .layouts import SlabLayout, TimeLayout, even_split  # noqa: F401 - re-exported
 from .model import Posterior, VideoVAE, check_video, decoder_pieces, encoder_pieces
 
-MODES = ("replicated", "chunked", "time", "height", "height+chunks", "tiled")
-EXACT_MODES = MODES[:-1]
-
-
-def even_split(n: int, parts: int) -> list[tuple[int, int]]:
-    """``n`` items into ``parts`` consecutive ranges, sizes differing by at most one; ranges past
-    ``n`` (more parts than items) are empty and come last."""
-    used = min(parts, n)
-    out, a = [], 0
-    for r in range(parts):
-        size = n // used + (1 if r < n % used else 0) if r < used else 0
-        out.append((a, a + size))
-        a += size
-    return out
-
-
-@dataclass(frozen=True)
-class SlabLayout:
-    """Which latent rows each rank of a height-sharded clip holds (all frames, all columns).
-
-    ``t, h, w``: the latent grid; ``H, W``: the pixel frame. Rank r holds latent rows
-    ``rows[r] = (h0, h1)``, i.e. pixel rows ``[8 h0, 8 h1)`` (the last non-empty slab also takes
-    the rows past ``8 h`` that an H not divisible by 8 leaves). Ranks past the last slab hold none.
-    """
-
-    t: int
-    h: int
-    w: int
-    H: int
-    W: int
-    world: int
-
-    @classmethod
-    def for_latent(cls, t: int, h: int, w: int, world: int, spatial: int = 8) -> "SlabLayout":
-        return cls(t, h, w, h * spatial, w * spatial, world)
-
-    @property
-    def rows(self) -> list[tuple[int, int]]:
-        return even_split(self.h, self.world)
-
-    def rank_rows(self, rank: int) -> tuple[int, int, int, int]:
-        """(t0, t1, h0, h1): the canonical latent range rank ``rank`` holds (columns: all of ``[0, w)``)."""
-        h0, h1 = self.rows[rank]
-        return 0, self.t, h0, h1
-
-    def pixel_rows(self, spatial: int = 8) -> list[tuple[int, int]]:
-        rows = [(spatial * a, spatial * b) for a, b in self.rows]
-        last = max(r for r, (a, b) in enumerate(rows) if b > a)
-        rows[last] = (rows[last][0], self.H)
-        return [(a, b) if r <= last else (self.H, self.H) for r, (a, b) in enumerate(rows)]
-
-    @property
-    def active(self) -> int:
-        return min(self.world, self.h)
-
-
-@dataclass(frozen=True)
-class TimeLayout:
-    """Which latent frames each rank of a time-sharded clip holds, and the input frames behind them.
-
-    Latent frame 0 comes from input frame 0, latent frame j >= 1 from input frames 4j-3 .. 4j, so
-    latent range [p, q) maps to input frames [max(0, 4p - 3), 4q - 3) (p = 0 gives [0, 4q - 3)).
-    """
-
-    t: int
-    world: int
-    factor: int = 4
-
-    @property
-    def latents(self) -> list[tuple[int, int]]:
-        return even_split(self.t, self.world)
-
-    def frames(self, p: int, q: int) -> tuple[int, int]:
-        f = lambda j: 0 if j == 0 else self.factor * j - (self.factor - 1)  # noqa: E731
-        return (f(p), f(q)) if q > p else (f(p), f(p))
+from .modes import AUTO, EXACT_MODES, MODES, SLAB_MODES  # noqa: F401 - EXACT_MODES re-exported
 
 
 @dataclass
@@ -151,23 +78,27 @@ class ParallelVAE:
 
     # -- mode choice -----------------------------------------------------------------
 
-    def resolve(self, op: str, shape: tuple[int, int, int], mode: str) -> tuple[str, str]:
-        """(mode, report) for ``op`` ("encode"/"decode") of a clip with pixel shape (T, H, W)."""
+    def choose(self, shape: tuple[int, int, int]):
+        """What ``auto`` picks for a clip of pixel shape (T, H, W) on this group (no collective; see :mod:`.modes`)."""
         from .memory import choose_mode
 
+        return choose_mode(self.cfg, shape, self.comm.world_size, self.budget, self.vae.dtype, self.chunk,
+                           tile=self.tile, overlap=self.overlap)
+
+    def resolve(self, op: str, shape: tuple[int, int, int], mode: str) -> tuple[str, str]:
+        """(mode, report) for ``op`` ("encode"/"decode") of a clip with pixel shape (T, H, W)."""
         agree(self.comm, f"vae.{op} request", {"mode": mode, "shape": list(shape), "dtype": str(self.vae.dtype),
                                                "chunk": self.chunk, "budget": self.budget, "tile": [self.tile, self.overlap],
                                                "widths": list(self.cfg.widths)})
-        if mode == "auto":
-            choice = choose_mode(self.cfg, op, shape, self.comm.world_size, self.budget, self.vae.dtype, self.chunk,
-                                 tile=self.tile, overlap=self.overlap)
+        if mode == AUTO:
+            choice = self.choose(shape)
             mode, why = choice.mode, choice.report
         elif mode not in MODES:
             raise ValueError(f"unknown VAE mode {mode!r}; choose one of {MODES} or 'auto'")
         else:
             why = "requested"
         T, H, W = shape
-        if mode in ("height", "height+chunks") and H < self.cfg.spatial_factor:
+        if mode in SLAB_MODES and H < self.cfg.spatial_factor:
             raise ValueError(f"height sharding needs at least {self.cfg.spatial_factor} rows")
         report = f"VAE {op} mode {mode} (SP={self.comm.world_size}, {why})"
         return mode, report
@@ -195,7 +126,7 @@ class ParallelVAE:
             a, b = tl.frames(p, q)
             m = self.vae.encoder(x[:, :, a:b], Exec(comm, time_chain=True, image_fast_path=T == 1).begin(a))
             m = _gather(comm, m, 2, [q_ - p_ for p_, q_ in tl.latents], "output_gather")
-        elif mode in ("height", "height+chunks"):
+        elif mode in SLAB_MODES:
             layout = SlabLayout(t, h, w, H, W, n)
             prow = layout.pixel_rows(self.cfg.spatial_factor)
             a, b = prow[r]
@@ -250,7 +181,7 @@ class ParallelVAE:
             out = self.vae.decoder(z[:, :, p:q], Exec(comm, time_chain=True, image_fast_path=t == 1).begin(p))
             counts = [tl.frames(p_, q_)[1] - tl.frames(p_, q_)[0] for p_, q_ in tl.latents]
             return _gather(comm, out, 2, counts, "output_gather")
-        if mode in ("height", "height+chunks"):
+        if mode in SLAB_MODES:
             layout = SlabLayout.for_latent(t, h, w, n, self.cfg.spatial_factor)
             _, _, h0, h1 = layout.rank_rows(r)
             return self._decode_rows(z[:, :, :, h0:h1], layout, mode, gather=True)

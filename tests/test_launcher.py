@@ -74,7 +74,7 @@ def _alive(pid: int) -> bool:
 PARENT = textwrap.dedent("""
     import sys
     from ditsp.distributed.launcher import LocalCluster
-    from tests.test_hardening_launcher import nap
+    from tests.test_launcher import nap
 
     if __name__ == "__main__":
         cluster = LocalCluster(2, timeout_s=300)

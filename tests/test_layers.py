@@ -1,0 +1,146 @@
+"""The layers of docs/architecture.md, enforced on the import graph (an AST read of every module of ditsp,
+function-local imports included): no upward import, no import circle, and no torch.distributed
+collective outside ``ditsp/distributed/``."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "ditsp"
+
+# Top to bottom; a module may import its own layer's packages and anything below, never above.
+LAYERS = (
+    ("cli",),
+    ("commands",),
+    ("bench",),  # benchmarks run the server and the jobs
+    ("serve", "train"),  # front doors' back ends: a persistent SP group, training under SP
+    ("engine", "argtypes", "fixed_shape_probe"),  # jobs, shared argument types, the doctor's probe of model kernels
+    ("models", "integrations"),
+    ("sp", "attention"),
+    ("windows", "weights", "io"),
+    ("distributed",),
+    ("config", "dtypes", "errors", "fixed_shape", "memory"),
+)
+RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
+    "broadcast", "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv",
+    "batch_isend_irecv",
+}
+# Benchmarks that time torch's own primitives against ditsp's (a baseline is torch.distributed by definition).
+COLLECTIVE_BASELINES = {"ditsp.bench.attention", "ditsp.bench.diffusers"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for p in ROOT.rglob("*.py"):
+        parts = ["ditsp", *p.relative_to(ROOT).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _targets(mod: str, path: pathlib.Path, node: ast.AST) -> list[str]:
+    """The ditsp modules an import statement loads (``from pkg import name`` counts pkg.name when a module)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.startswith("ditsp")]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    if node.level:
+        pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        parts = pkg.split(".")
+        base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+    else:
+        base = node.module or ""
+    if not base.startswith("ditsp"):
+        return []
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+
+
+def _graph() -> dict[str, set[tuple[str, int]]]:
+    g = {}
+    for mod, path in MODULES.items():
+        g[mod] = {(t, n.lineno) for n in ast.walk(ast.parse(path.read_text())) for t in _targets(mod, path, n)
+                  if t != mod}
+    return g
+
+
+def _layer(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_top_level_package_has_a_layer():
+    tops = {_layer(m) for m in MODULES} - {""}
+    assert tops <= set(RANK), f"add {sorted(tops - set(RANK))} to LAYERS (and docs/architecture.md)"
+
+
+def test_no_upward_import():
+    up = []
+    for mod, targets in _graph().items():
+        a = _layer(mod)
+        for t, line in targets:
+            b = _layer(t)
+            if a and b and a != b and RANK[b] < RANK[a]:
+                up.append(f"{MODULES[mod].relative_to(ROOT.parent)}:{line} imports {t} ({a} is below {b})")
+    assert not up, "upward imports:\n" + "\n".join(sorted(up))
+
+
+def test_no_import_circle():
+    g = {m: {t for t, _ in ts if t in MODULES} for m, ts in _graph().items()}
+    index, low, stack, on, circles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_no_collective_outside_the_distributed_layer():
+    """``dist.<collective>(...)`` / ``torch.distributed.<collective>(...)`` only in ditsp/distributed/."""
+    found = []
+    for mod, path in MODULES.items():
+        if mod.startswith("ditsp.distributed") or mod in COLLECTIVE_BASELINES:
+            continue
+        tree = ast.parse(path.read_text())
+        aliases = {"torch.distributed"}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Import):
+                aliases |= {a.asname for a in n.names if a.name == "torch.distributed" and a.asname}
+            elif isinstance(n, ast.ImportFrom) and n.module == "torch" and any(a.name == "distributed" for a in n.names):
+                aliases |= {a.asname or a.name for a in n.names if a.name == "distributed"}
+            elif isinstance(n, ast.ImportFrom) and n.module == "torch.distributed":
+                found += [f"{mod}:{n.lineno} imports {a.name}" for a in n.names if a.name in COLLECTIVES]
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in COLLECTIVES:
+                owner = ast.unparse(n.func.value)
+                if owner in aliases:
+                    found.append(f"{path.relative_to(ROOT.parent)}:{n.lineno} calls {owner}.{n.func.attr}")
+    assert not found, "collectives outside ditsp/distributed/ (add a counted method to Comm):\n" + "\n".join(found)
