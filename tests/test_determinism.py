@@ -62,6 +62,21 @@ def test_tiled_convolution_equals_one_call(stride, padding, kernel):
         assert out.shape == ref.shape and (out.double() - ref).abs().max() < 1e-5, shapes
 
 
+def test_bf16_convolution_is_one_float32_sum_rounded_once():
+    """bf16 convs: oneDNN's bf16 kernel where the CPU has one, else a float32 oneDNN call on the bf16
+    values rounded once (never PyTorch's reference loop); either way within one bf16 rounding of fp64."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 16, 4, 12, 10, generator=g).bfloat16()
+    w = (torch.randn(8, 16, 3, 3, 3, generator=g) * 0.1).bfloat16()
+    b = torch.randn(8, generator=g).bfloat16()
+    ref = F.conv3d(x.double(), w.double(), b.double(), padding=(0, 1, 1))
+    for shapes in (DETERMINISTIC, FAST):
+        with use(shapes):
+            out = conv3d(x, w, b, padding=(0, 1, 1))
+        assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+        assert ((out.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6).all(), shapes
+
+
 def test_conv_tile_rows_follow_the_width_and_the_frame_height_only():
     assert conv_tile_rows(256) == 32 and conv_tile_rows(1920) == 4 and conv_tile_rows(100000) == 1
     # spread over the whole frame: the last tile pads at most a few rows
