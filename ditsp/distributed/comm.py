@@ -122,6 +122,22 @@ class Comm:
             self.stats.add(kind, t.numel() * t.element_size(), t.numel() * t.element_size())
         return t
 
+    def all_reduce_ordered(self, t: torch.Tensor, kind: str = "all_reduce_ordered") -> torch.Tensor:
+        """SUM over ranks added in rank order (r0 + r1 + ...), the same bits on every rank and every run.
+
+        An all-gather and a local left-to-right sum: a backend's all-reduce may add in any order."""
+        if self.world_size == 1:
+            return t
+        flat = t.contiguous()
+        outs = [torch.empty_like(flat) for _ in range(self.world_size)]
+        dist.all_gather(outs, flat, group=self.group)
+        nbytes = flat.numel() * flat.element_size()
+        self.stats.add(kind, nbytes * (self.world_size - 1), nbytes * (self.world_size - 1))
+        total = outs[0].clone()
+        for o in outs[1:]:
+            total += o
+        return total
+
     def all_gather_rows(self, t: torch.Tensor, rows: Sequence[int], kind: str = "all_gather") -> list[torch.Tensor]:
         """Gather tensors of ``rows[r]`` rows from every rank (uneven sizes allowed)."""
         rows = [int(r) for r in rows]

@@ -52,6 +52,7 @@ import torch
 from ..attention.common import even_splits
 from ..attention.window import WindowPack, window_attention
 from ..distributed.agree import agree
+from ..distributed.autograd import all_reduce_sum, connect_empty, replicated_gather
 from ..distributed.comm import Comm
 from ..fixed_shape import DETERMINISTIC
 from ..windows.exchange import exchange
@@ -280,6 +281,8 @@ class HaloSlabRuntime:
         qkv = exchange(torch.stack((q, k, v), 1), self.plan.fetch(method), self.comm)  # (m, 3, H, D)
         q_, k_, v_ = qkv.unbind(1)
         out, tsum = window_attention(q_, k_, v_, tq, tk, tv, pack, rope)
+        if pack.num_rows == 0:  # no window here: stay in the backward graph (ditsp.distributed.autograd)
+            out, tsum = connect_empty(out, tsum, q_, k_, v_, tq, tk, tv)
         del qkv, q_, k_, v_
         return exchange(out, self.plan.give_back(method), self.comm), tsum
 
@@ -287,9 +290,13 @@ class HaloSlabRuntime:
         """Plain mean over all windows: local sums, one SUM all-reduce, / window count."""
         if txt_sum.dtype != self.dtype:
             raise TypeError(f"text reduction in {txt_sum.dtype}, but the runtime agreed on {self.dtype}")
-        return self.comm.all_reduce(txt_sum.contiguous(), kind="text_all_reduce") / self.num_windows(layer)
+        return all_reduce_sum(self.comm, txt_sum, kind="text_all_reduce") / self.num_windows(layer)
 
     def gather(self, y_local: torch.Tensor) -> torch.Tensor:
+        own = torch.from_numpy(self.plan.slabs.rank_ids(self.rank))
+        return replicated_gather(self._gather, y_local, own)
+
+    def _gather(self, y_local: torch.Tensor) -> torch.Tensor:
         rows = [int(v) for v in self.plan.slabs.rank_rows]
         parts = self.comm.all_gather_rows(y_local, rows, kind="output_gather")
         out = y_local.new_empty((self.plan.num_tokens,) + tuple(y_local.shape[1:]))

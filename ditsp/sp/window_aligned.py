@@ -32,6 +32,7 @@ import torch
 
 from ..attention.window import WindowPack, window_attention
 from ..distributed.agree import agree
+from ..distributed.autograd import all_reduce_sum, connect_empty, replicated_gather
 from ..distributed.comm import Comm
 from ..windows.exchange import exchange
 from ..windows.geometry import NUM_WINDOWS, canonical_method, short_name
@@ -151,7 +152,10 @@ class WindowRuntime(ScheduleRuntime):
 
     def attend(self, q, k, v, tq, tk, tv, pack: WindowPack, rope: RopeFn | None = None):
         """Local window attention: every window's rows are on this rank, no communication."""
-        return window_attention(q, k, v, tq, tk, tv, pack, rope)
+        out, tsum = window_attention(q, k, v, tq, tk, tv, pack, rope)
+        if pack.num_rows == 0:  # no window here: stay in the backward graph (ditsp.distributed.autograd)
+            out, tsum = connect_empty(out, tsum, q, k, v, tq, tk, tv)
+        return out, tsum
 
     def reduce_text(self, txt_sum: torch.Tensor, layer: int) -> torch.Tensor:
         """Plain mean over all windows of ``layer``: local sum -> SUM all-reduce -> / window count.
@@ -160,12 +164,16 @@ class WindowRuntime(ScheduleRuntime):
         """
         if txt_sum.dtype != self.dtype:
             raise TypeError(f"text reduction in {txt_sum.dtype}, but the runtime agreed on {self.dtype}")
-        total = self.comm.all_reduce(txt_sum.contiguous(), kind="text_all_reduce")
+        total = all_reduce_sum(self.comm, txt_sum, kind="text_all_reduce")
         return total / self.num_windows(layer)
 
     def gather(self, y_local: torch.Tensor) -> torch.Tensor:
         """Every rank's rows back to canonical order, on every rank."""
         plan = self.schedule.plans[self.current]
+        own = torch.from_numpy(plan.rank_token_ids(self.rank))
+        return replicated_gather(lambda y: self._gather(y, plan), y_local, own)
+
+    def _gather(self, y_local: torch.Tensor, plan: Plan) -> torch.Tensor:
         rows = [int(v) for v in plan.rank_tokens]
         parts = self.comm.all_gather_rows(y_local, rows, kind="output_gather")
         out = y_local.new_empty((self.schedule.num_tokens,) + tuple(y_local.shape[1:]))

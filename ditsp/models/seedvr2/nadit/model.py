@@ -25,6 +25,7 @@ from torch import nn
 
 from ....fixed_shape import use as use_kernel_shapes
 from ....sp import SPRuntime, WindowRuntime, check_request
+from ....sp.recompute import checkpointed
 from ....windows.ownership import RowOwnership
 from .blocks import NaMMSRBlock
 from .blocks_7b import NaMMSRBlock7B
@@ -98,6 +99,7 @@ class NaDiT(nn.Module):
     def __init__(self, cfg: NaDiTConfig):
         super().__init__()
         self.cfg = cfg
+        self.checkpoint_blocks = False  # activation checkpointing per block (training; ditsp.sp.recompute)
         d = cfg.vid_dim
         self.vid_in = PatchIn(cfg.patch_channels, d)
         self.txt_in = nn.Linear(cfg.txt_in_dim, d)
@@ -165,7 +167,11 @@ class NaDiT(nn.Module):
         for i, block in enumerate(self.blocks):
             x = rt.enter_layer(x, i)
             # The last block's text output is discarded: skip it unless states are recorded.
-            x, txt = block(x, txt, emb, rt.window_pack(i, x.device), rt, i, txt_out=i < last or states is not None)
+            pack, txt_out = rt.window_pack(i, x.device), i < last or states is not None
+            if self.checkpoint_blocks and torch.is_grad_enabled():  # training: recompute in the backward
+                x, txt = checkpointed(block, rt, x, txt, emb, pack, rt, i, txt_out=txt_out)
+            else:
+                x, txt = block(x, txt, emb, pack, rt, i, txt_out=txt_out)
             if states is not None:
                 states[f"block{i}.vid"], states[f"block{i}.txt"] = rt.gather(x), txt
         y = self.head.apply(self, x, emb, cfg.norm_eps)
