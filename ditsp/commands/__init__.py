@@ -3,4 +3,4 @@
 A new command is a new module here plus its name in :data:`COMMANDS`.
 """
 
-COMMANDS = ("plan", "run", "upscale", "verify", "generate", "bench", "serve", "doctor")
+COMMANDS = ("plan", "run", "upscale", "verify", "generate", "bench", "serve", "doctor", "train")

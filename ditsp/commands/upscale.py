@@ -67,6 +67,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_deterministic_arg(p)
     p.add_argument("--check", action="store_true",
                    help="also restore on one device (to a temporary file) and report whether the frames match")
+    p.add_argument("--reference", metavar="CLEAN", help="clean video/image/frame folder of the output's size: "
+                                                         "PSNR and SSIM of the restored frames and of bicubic (#27)")
     p.add_argument("--json", action="store_true", help="print one JSON report")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
@@ -113,6 +115,11 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         summary["check"] = check_verdict(summary["parity"], req.sp)
     if args.plot:
         plot_report(summary, args.plot)
+    if args.reference:  # quality figures against the clean original (ditsp.quality)
+        try:
+            summary["quality"] = _quality(args, summary)
+        except (ValueError, OSError) as e:
+            return _fail(f"--reference {args.reference}: {e}")
     summary.pop("samples", None)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
@@ -122,9 +129,27 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(format_parity(summary["parity"], req.sp))
         if args.plot:
             print(f"wrote {args.plot}")
+        if args.reference:
+            from ..quality import format_report as format_quality
+
+            print(format_quality(summary["quality"]))
     if args.check and summary["check"] != "passed":  # a failed check is a failed run (the output is kept)
         return _fail(f"--check {summary['check']}")
     return 0
+
+
+def _quality(args, summary: dict) -> dict:
+    """PSNR/SSIM of the written frames and of bicubic against ``--reference``; with ``--plot`` also
+    ``<plot>-reference.png`` (input, restored, clean original)."""
+    from .. import quality
+
+    restored, source = quality.read_frames(args.output), quality.read_frames(args.input)
+    reference = quality.read_frames(args.reference)
+    q = quality.report(restored, source, reference, summary.get("windows"))
+    if args.plot:
+        q["picture"] = str(Path(args.plot).with_name(Path(args.plot).stem + "-reference.png"))
+        quality.plot_compare(source, restored, reference, q["picture"], q)
+    return q
 
 
 def _sweep_output(output: str) -> None:

@@ -1,0 +1,92 @@
+"""The training objectives: the one-step restoration loss of the DiT, and the VAE's reconstruction.
+
+``dit`` (what SeedVR2 samples with one step): the DiT sees
+``[noise | condition | 1]`` at the single sampling timestep t = T = 1000 and
+predicts v; the one-step sample is ``x0 = noise - v``. The loss is x0
+regression at that timestep, ``mean((noise - v - z_clean)^2)``, i.e. velocity
+regression on the target ``v* = noise - z_clean``: the two are the same
+number. ``z_clean`` is the frozen VAE's posterior mean of the clean clip (x
+0.9152); the condition is a posterior sample of the degraded clip, as the
+restoration pipeline encodes it. No perceptual or adversarial term (no
+offline LPIPS weights here).
+
+``vae``: reconstruction of the clean clip through a posterior sample, L1 +
+MSE in [-1, 1] pixels, plus a small KL term that keeps the latent near unit
+scale. The VAE trains on one device only (see :func:`check_vae_training`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..fixed_shape import FAST, use
+from ..models.seedvr2.pipeline.condition import SCHEDULE_T, dit_input, make_noise
+from ..models.seedvr2.vae.execution import Exec
+from ..models.seedvr2.vae.model import Posterior, VideoVAE, decoder_pieces, encoder_pieces
+
+OBJECTIVES = ("dit", "vae")
+KL_WEIGHT = 1e-4
+
+
+def to_unit(frames: torch.Tensor) -> torch.Tensor:
+    """(B, T, 3, H, W) in [0, 1] -> the VAE's (B, 3, T, H, W) in [-1, 1]."""
+    return (frames * 2 - 1).permute(0, 2, 1, 3, 4)
+
+
+def posterior(vae: VideoVAE, frames: torch.Tensor) -> Posterior:
+    """The VAE's posterior of (B, T, 3, H, W) frames, differentiable (plain kernel calls)."""
+    x = to_unit(frames).to(vae.dtype)
+    with use(FAST):
+        moments = vae.run_encoder(x, Exec(), encoder_pieces(x.shape[2], None))
+    return Posterior.from_moments(moments, vae.cfg.logvar_range)
+
+
+def decode(vae: VideoVAE, z: torch.Tensor) -> torch.Tensor:
+    """Unscaled latent (B, 16, t, h, w) -> (B, 3, T, H, W) in [-1, 1], differentiable."""
+    with use(FAST):
+        return vae.run_decoder(z, Exec(), decoder_pieces(z.shape[2], None))
+
+
+def vae_loss(vae: VideoVAE, clean: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    post = posterior(vae, clean)
+    eps = torch.randn(post.mean.shape, generator=g).to(post.mean.dtype)
+    recon = decode(vae, post.sample(eps))
+    target = to_unit(clean).to(recon.dtype)
+    kl = 0.5 * (post.mean.pow(2) + post.std.pow(2) - 1 - 2 * post.std.clamp_min(1e-12).log()).mean()
+    return F.l1_loss(recon, target) + F.mse_loss(recon, target) + KL_WEIGHT * kl
+
+
+@torch.no_grad()
+def latents(vae: VideoVAE, degraded: torch.Tensor, clean: torch.Tensor, g: torch.Generator):
+    """(condition, target) channels-last (B, t, h, w, 16), scaled: a sample of the degraded clip, the clean mean."""
+    pc, pd = posterior(vae, clean), posterior(vae, degraded)
+    eps = make_noise(pd.mean.shape, g, dtype=torch.float32).to(pd.mean.dtype)
+    cond = vae.to_latent(pd.sample(eps))
+    target = vae.to_latent(pc.mean)
+    return VideoVAE.channels_last(cond).float(), VideoVAE.channels_last(target).float()
+
+
+def dit_loss(dit, vae: VideoVAE, text: torch.Tensor, degraded: torch.Tensor, clean: torch.Tensor,
+             g: torch.Generator, runtime=None) -> torch.Tensor:
+    """Mean over the batch of the one-step x0 regression; ``runtime``: the SP group's (None: one device)."""
+    cond, target = latents(vae, degraded, clean, g)
+    losses = []
+    for c, z in zip(cond, target):
+        noise = make_noise(z.shape, g, dtype=torch.float32)
+        v = dit(dit_input(noise, c).to(dit.dtype), text.to(dit.dtype), SCHEDULE_T, runtime=runtime)
+        losses.append(F.mse_loss(noise - v.float(), z))
+    return torch.stack(losses).mean()
+
+
+def check_vae_training(sp: int) -> None:
+    """The VAE trains on one device only: its sharded modes cannot be differentiated.
+
+    Their group-norm statistics, halo rows and attention tokens travel by
+    all-gathers and point-to-point copies without a backward rule (the
+    gradient of a halo row belongs to the neighbour that sent it, and
+    nothing sends it back), so a gradient through them would be silently
+    wrong; the replicated VAE would only repeat the same work on every rank."""
+    if sp > 1:
+        raise ValueError("the VAE trains on one device (--sp 1): its sharded modes have no backward "
+                         "(group-norm statistics and halo rows are all-gathers without gradient rules)")
