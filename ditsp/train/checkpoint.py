@@ -29,6 +29,7 @@ def atomic_write(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a checkpoint or weights file is an ordinary output
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
