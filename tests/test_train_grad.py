@@ -49,6 +49,7 @@ def refs():
     return [model_grads(s) for s in SPECS]
 
 
+@pytest.mark.bitwise
 def test_checkpointing_changes_no_bit_on_one_device():
     plain = model_grads(GradSpec(grid=(2, 4, 7), model="tiny-7b"))
     ckpt = model_grads(GradSpec(grid=(2, 4, 7), model="tiny-7b", checkpoint=True))
