@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ditsp import quality
+from ditsp.io import quality
 from ditsp.train import data
 from ditsp.train.loop import TrainConfig, Trainer, check, rank_check
 

@@ -115,7 +115,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         summary["check"] = check_verdict(summary["parity"], req.sp)
     if args.plot:
         plot_report(summary, args.plot)
-    if args.reference:  # quality figures against the clean original (ditsp.quality)
+    if args.reference:  # quality figures against the clean original (ditsp.io.quality)
         try:
             summary["quality"] = _quality(args, summary)
         except (ValueError, OSError) as e:
@@ -130,7 +130,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.plot:
             print(f"wrote {args.plot}")
         if args.reference:
-            from ..quality import format_report as format_quality
+            from ..io.quality import format_report as format_quality
 
             print(format_quality(summary["quality"]))
     if args.check and summary["check"] != "passed":  # a failed check is a failed run (the output is kept)
@@ -141,7 +141,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _quality(args, summary: dict) -> dict:
     """PSNR/SSIM of the written frames and of bicubic against ``--reference``; with ``--plot`` also
     ``<plot>-reference.png`` (input, restored, clean original)."""
-    from .. import quality
+    from ..io import quality
 
     restored, source = quality.read_frames(args.output), quality.read_frames(args.input)
     reference = quality.read_frames(args.reference)

@@ -142,7 +142,7 @@ class Trainer:
             from ..models.seedvr2.parallelize import parallelize
 
             grid = self.dit.grid_of(latent_shape)
-            pc = ParallelConfig(ulysses_degree=self.comm.world_size, window_planner=self.cfg.planner)
+            pc = ParallelConfig.window(self.comm.world_size, window_planner=self.cfg.planner)
             self._runtime = parallelize(self.dit.cfg, pc, grid, self.group,
                                         self.cfg.planner if self.cfg.path == "window" else None, self.cfg.path)
         return self._runtime

@@ -77,7 +77,7 @@ def format_report(q: dict) -> str:
 
 def read_frames(path: str) -> np.ndarray:
     """Every frame of a video, image or frame folder as (T, H, W, 3) uint8."""
-    from .io.video import open_media
+    from .video import open_media
 
     _, chunks = open_media(path)
     frames = torch.cat([c if c.dim() == 4 else c[None] for c in chunks])  # (T, 3, H, W)
@@ -109,7 +109,17 @@ def plot_compare(source: np.ndarray, restored: np.ndarray, reference: np.ndarray
             if i == 0:
                 ax.set_title(f"frame {k}", fontsize=8)
     fig.tight_layout()
-    from .train.checkpoint import atomic_write
+    import os
+    import tempfile
 
-    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    plt.close(fig)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".quality.", suffix=".png", dir=folder)  # written whole, then renamed
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, format="png")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
