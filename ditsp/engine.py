@@ -71,11 +71,11 @@ class RunSpec:
         return ModelSpec(self.model, self.layers, self.checkpoint, self.dtype, self.seed, self.weights_dtype)
 
 
-def build_model(spec: ModelSpec, device: torch.device | str = "cpu"):
+def _model_of(spec: ModelSpec, device: torch.device | str = "cpu"):
     """The model of ``spec``, identical on every rank (a checkpoint, or seeded weights)."""
-    from .models.seedvr2.nadit.model import build_model as build_nadit
+    from .models.seedvr2.nadit.model import build_model
 
-    return build_nadit(spec.model, spec.layers, spec.checkpoint, seed=spec.seed, dtype=DTYPES[spec.dtype],
+    return build_model(spec.model, spec.layers, spec.checkpoint, seed=spec.seed, dtype=DTYPES[spec.dtype],
                        device=device, weights_dtype=spec.weights_dtype)
 
 
@@ -96,7 +96,7 @@ class Engine:
 
     def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu"):
         self.spec, self.device = spec, torch.device(device)
-        self.model = build_model(spec, self.device)
+        self.model = _model_of(spec, self.device)
         self._runtimes: dict = {}
 
     @classmethod

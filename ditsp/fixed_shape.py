@@ -16,7 +16,8 @@ position in the call or on the other rows. This module makes every such call
 on the SP path take a shape that depends on the model alone:
 
 - token-row GEMMs run in tiles of exactly ``row_tile`` rows, the tail tile
-  zero-padded (:func:`linear_rows`);
+  zero-padded (:func:`linear_rows`); rows every rank holds whole (a request's
+  text) already have one shape at every degree and run plain calls;
 - window attention runs each window shape's (window, head) pairs in batches of
   a fixed size that depends on the window's length only (:func:`pair_batch`);
 - the VAE's convolutions run one output frame of a fixed number of output
