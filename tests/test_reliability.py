@@ -121,8 +121,12 @@ def test_upscale_sweeps_what_a_killed_rank_left(clip, tmp_path, capsys, monkeypa
 def test_signal_to_the_parent_alone_leaves_nothing_and_exits_promptly(tmp_path, sig):
     src = make_test_clip(str(tmp_path / "long.mp4"), width=32, height=32, frames=61, fps=12, audio=False)
     out = tmp_path / "o.mp4"
-    cmd = [sys.executable, "-m", "ditsp.cli", "upscale", str(src), "-o", str(out), "--sp", "2",
-           "--resolution", "48x48", "--window-frames", "5", "--overlap", "1", "--no-progress"]
+    args = ["upscale", str(src), "-o", str(out), "--sp", "2",
+            "--resolution", "48x48", "--window-frames", "5", "--overlap", "1", "--no-progress"]
+    # Ctrl-C as an interactive user sends it: a test run started in the background by a non-interactive
+    # shell inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
+    cmd = [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "from ditsp.cli import main; sys.exit(main(sys.argv[1:]))", *args]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         end = time.monotonic() + 120
