@@ -30,7 +30,7 @@ run: $(STAMP)
 	$(BIN)/python -m ditsp.train.heldout out/input.mp4 out/clean --size 128x96 --frames 21 --fps 12 --overwrite
 	$(BIN)/ditsp upscale out/input.mp4 -o out/restored.mp4 --sp 2 --scale 2 --window-frames 9 --overlap 4 \
 		--dit $(TINY_WEIGHTS)/dit.safetensors --vae $(TINY_WEIGHTS)/vae.safetensors --reference out/clean \
-		--overwrite --plot out/upscale.png --check --no-progress
+		--overwrite --plot out/upscale.png --check --deterministic --no-progress
 
 # The small restorer the main job uses (weights/tiny): the tiny VAE trained to reconstruct clips of
 # scikit-image's bundled photographs, then the tiny DiT on the one-step restoration objective against

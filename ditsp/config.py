@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .fixed_shape import DEFAULT_DETERMINISTIC
+
 WINDOW_FAMILIES = {"seedvr2", "nadit"}
 
 
@@ -47,8 +49,9 @@ class ParallelConfig:
       ``DITSP_A2A_CAPACITY_BYTES`` (default 1 GiB).
     - ``deterministic``: every kernel call on the SP path gets a shape that does not
       depend on the SP degree or the plan (:mod:`ditsp.fixed_shape`), so the output
-      equals one device's bit for bit on any CPU; ``False`` runs plain calls (equal
-      within tolerance; see docs/determinism.md for the measured cost).
+      equals one device's bit for bit on any CPU; ``False`` (the default,
+      :data:`ditsp.fixed_shape.DEFAULT_DETERMINISTIC`) runs plain calls, equal within
+      tolerance and faster (docs/determinism.md has the measured cost).
     - ``cfg_degree``: classifier-free guidance parallel (1 or 2): the conditional and unconditional
       passes on two groups of ``sp_degree`` ranks each (``ditsp.integrations.diffusers.cfg``).
     """
@@ -63,7 +66,7 @@ class ParallelConfig:
     ulysses_a2a: str | None = None
     ulysses_a2a_long_training: str | None = None
     a2a_capacity_bytes: int | None = None
-    deterministic: bool = True
+    deterministic: bool = DEFAULT_DETERMINISTIC
     cfg_degree: int = 1
 
     def __post_init__(self):

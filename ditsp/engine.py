@@ -24,7 +24,7 @@ import torch
 
 from .config import ParallelConfig
 from .distributed.launcher import LocalCluster, RankContext, init_from_env
-from .fixed_shape import shapes_for
+from .fixed_shape import DEFAULT_DETERMINISTIC, shapes_for
 from .memory import PeakMemory
 
 from .dtypes import DTYPES  # noqa: F401 - the one table; re-exported for old imports
@@ -63,7 +63,7 @@ class RunSpec:
     # peak is the tensors' peak instead of glibc's heap retention.
     exact_memory: bool = False
     # Fixed-shape kernel calls (ditsp.fixed_shape): the output equals one device's bit for bit.
-    deterministic: bool = True
+    deterministic: bool = DEFAULT_DETERMINISTIC
     weights_dtype: str | None = None
 
     @property
@@ -109,7 +109,7 @@ class Engine:
         return cls._cache[key]
 
     def runtime(self, grid, sp: int, group, path: str = "auto", planner: str | None = None,
-                deterministic: bool = True):
+                deterministic: bool = DEFAULT_DETERMINISTIC):
         """The SP runtime of a request (cached by grid, path, planner, kernel-shape policy and group)."""
         from .models.seedvr2.parallelize import parallelize
 

@@ -1,5 +1,6 @@
 """The kernel-shape policy (ditsp.fixed_shape): configuration, agreement, the doctor, the VAE's tiled convolutions."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -10,7 +11,8 @@ import torch.nn.functional as F
 
 from ditsp.config import ParallelConfig, ParallelConfigError
 from ditsp.distributed.agree import DisagreementError
-from ditsp.fixed_shape import DETERMINISTIC, FAST, KernelShapes, conv_tile_rows, current, use
+from ditsp.fixed_shape import (DEFAULT, DEFAULT_DETERMINISTIC, DETERMINISTIC, FAST, SERVE_DETERMINISTIC, KernelShapes,
+                               conv_tile_rows, current, use)
 from ditsp.models.seedvr2.nadit.config import TINY
 from ditsp.models.seedvr2.parallelize import parallelize
 from ditsp.models.seedvr2.vae.layers import conv3d
@@ -18,19 +20,39 @@ from ditsp.models.seedvr2.vae.layers import conv3d
 pytestmark = pytest.mark.timeout(240)
 
 
+def test_the_default_is_one_value_read_everywhere():
+    """Plain calls by default (the fixed shapes cost more than 10% end to end); the server alone defaults
+    to fixed shapes (its re-run promise). Every default reads the one home, ditsp.fixed_shape."""
+    from ditsp.commands.run import add_parser as run_parser
+    from ditsp.commands.serve import add_parser as serve_parser
+    from ditsp.commands.upscale import add_parser as upscale_parser
+    from ditsp.engine import RunSpec
+    from ditsp.models.seedvr2.request import Options, UpscaleRequest
+    from ditsp.serve.app import Settings
+
+    assert DEFAULT_DETERMINISTIC is False and SERVE_DETERMINISTIC is True and current() is DEFAULT is FAST
+    assert ParallelConfig().deterministic is False and RunSpec("tiny", (1, 4, 4), 1).deterministic is False
+    assert Options("a", "b").deterministic is False
+    assert UpscaleRequest.__dataclass_fields__["deterministic"].default is False
+    assert Settings.__dataclass_fields__["deterministic"].default is True
+    for make, want in ((run_parser, False), (upscale_parser, False), (serve_parser, True)):
+        sub = make(argparse.ArgumentParser().add_subparsers())
+        assert {a.dest: a.default for a in sub._actions}["deterministic"] is want, make
+
+
 def test_config_takes_a_bool_only():
-    assert ParallelConfig().deterministic is True
+    assert ParallelConfig(deterministic=True).deterministic is True
     with pytest.raises(ParallelConfigError, match="deterministic must be True or False"):
         ParallelConfig(deterministic="yes")
 
 
 def test_the_runtime_carries_the_policy_and_the_forward_enters_it():
-    assert parallelize(TINY, None, (1, 4, 4)).kernel_shapes is DETERMINISTIC
-    rt = parallelize(TINY, ParallelConfig(deterministic=False), (1, 4, 4))
-    assert rt.kernel_shapes is FAST and current() is DETERMINISTIC  # nothing leaks into the process
-    with use(FAST):
-        assert current() is FAST
-    assert current() is DETERMINISTIC
+    assert parallelize(TINY, None, (1, 4, 4)).kernel_shapes is FAST
+    rt = parallelize(TINY, ParallelConfig(deterministic=True), (1, 4, 4))
+    assert rt.kernel_shapes is DETERMINISTIC and current() is FAST  # nothing leaks into the process
+    with use(DETERMINISTIC):
+        assert current() is DETERMINISTIC
+    assert current() is FAST
 
 
 def _disagree(ctx):
@@ -78,15 +100,17 @@ def test_bf16_convolution_is_one_float32_sum_rounded_once():
 
 
 def test_conv_tile_rows_follow_the_width_and_the_frame_height_only():
-    assert conv_tile_rows(256) == 32 and conv_tile_rows(1920) == 4 and conv_tile_rows(100000) == 1
+    d = DETERMINISTIC
+    assert conv_tile_rows(256, shapes=d) == 32 and conv_tile_rows(1920, shapes=d) == 4
+    assert conv_tile_rows(100000, shapes=d) == 1
     # spread over the whole frame: the last tile pads at most a few rows
-    assert conv_tile_rows(8, 8) == 8 and conv_tile_rows(160, 90) == 30 and conv_tile_rows(256, 33) == 17
+    assert (conv_tile_rows(8, 8, d), conv_tile_rows(160, 90, d), conv_tile_rows(256, 33, d)) == (8, 30, 17)
     for width in (8, 64, 160, 1920):
+        most = conv_tile_rows(width, shapes=d)
         for rows in range(1, 200):
-            t = conv_tile_rows(width, rows)
-            assert 1 <= t <= conv_tile_rows(width) and -(-rows // t) * t - rows < -(-rows // conv_tile_rows(width))
-    with use(FAST):
-        assert conv_tile_rows(256) is None
+            t = conv_tile_rows(width, rows, d)
+            assert 1 <= t <= most and -(-rows // t) * t - rows < -(-rows // most)
+    assert conv_tile_rows(256, shapes=FAST) is None and conv_tile_rows(256) is None  # the default: one call
 
 
 @pytest.mark.bitwise
@@ -101,3 +125,15 @@ def test_doctor_says_whether_the_guarantee_holds_here():
     bad = subprocess.run([sys.executable, "-m", "ditsp.cli", "doctor", "--dtype", "fp64"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "choose from fp32, bf16" in bad.stderr
+
+
+def test_upscale_check_verdict_follows_the_policy():
+    """--check: equal bytes under --deterministic; under the fast policy frames within FAST_MIN_PSNR_DB."""
+    from ditsp.commands.upscale import FAST_MIN_PSNR_DB, check_verdict
+
+    near = {"same_frames": False, "max_abs_diff_decoded": 3, "psnr_vs_one_device": FAST_MIN_PSNR_DB + 10}
+    far = dict(near, psnr_vs_one_device=FAST_MIN_PSNR_DB - 1)
+    assert check_verdict(near, 2, deterministic=False) == "passed"
+    assert check_verdict(near, 2, deterministic=True).startswith("failed: SP=2 frames differ")
+    assert check_verdict(far, 2, deterministic=False).startswith("failed")
+    assert check_verdict({"same_frames": True}, 3, deterministic=True) == "passed"

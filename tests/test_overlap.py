@@ -10,6 +10,7 @@ import torch
 from ditsp.distributed import transport as tp
 from ditsp.distributed.comm import Comm
 from ditsp.engine import RunSpec, build_for
+from ditsp.fixed_shape import DETERMINISTIC
 from ditsp.sp.window_aligned import WindowRuntime
 
 GRID = (5, 20, 36)
@@ -23,6 +24,7 @@ def policy_forward(ctx, planner, policy, capacity, dtype):
     comm = Comm.of(ctx.group)
     tp.configure(comm, tp.TransportSettings(policy=policy, capacity_bytes=capacity))
     rt = WindowRuntime(GRID, cfg.window_methods, comm, planner, cfg.num_windows, torch.float64)
+    rt.kernel_shapes = DETERMINISTIC
     out = model(vid, txt, 1000.0, runtime=rt)
     r = ctx.rank
     crossing = max(int(t.counts[r].sum() + t.counts[:, r].sum() - 2 * t.counts[r, r])
@@ -38,7 +40,7 @@ def test_layout_changes_are_one_device_bits_under_every_policy(clusters, world, 
     torch.set_num_threads(1)  # the ranks' thread count
     model, vid, txt = build_for(RunSpec("tiny", GRID, 1, dtype=dtype))
     with torch.no_grad():
-        ref = model(vid, txt, 1000.0)
+        ref = model(vid, txt, 1000.0, runtime=model.single_runtime(GRID, deterministic=True))
     for planner in ("lpt", "locality"):
         off = clusters(world).run(policy_forward, planner, "off", 1 << 30, dtype)
         capacity = 8192

@@ -48,9 +48,7 @@ def forward_specs(ctx, specs, deterministic=True):
     for spec in specs:
         engine = Engine.get(spec.model_spec)
         model, vid, txt = build_for(spec)
-        rt = engine.runtime(spec.grid, spec.sp, ctx.group, spec.path, spec.planner)
-        if not deterministic:
-            rt.kernel_shapes = FAST
+        rt = engine.runtime(spec.grid, spec.sp, ctx.group, spec.path, spec.planner, deterministic)
         outs.append(model(vid, txt, 1000.0, runtime=rt))
     return outs
 
@@ -59,7 +57,7 @@ def forward_specs(ctx, specs, deterministic=True):
 def forward_vectors(ctx, directory, planner):
     """The shipped reference vector set's model and inputs under window SP."""
     cfg, model, d = vector_model(directory)
-    rt = parallelize(cfg, ParallelConfig(ulysses_degree=ctx.world_size, window_planner=planner),
+    rt = parallelize(cfg, ParallelConfig(ulysses_degree=ctx.world_size, window_planner=planner, deterministic=True),
                      model.grid_of(d["vid_in"].shape), ctx.group, planner)
     return model(d["vid_in"], d["txt_in"], d["timestep"], runtime=rt)
 
@@ -74,9 +72,7 @@ def vector_model(directory):
 @torch.no_grad()
 def single(spec, deterministic=True):
     model, vid, txt = build_for(RunSpec(spec.model, spec.grid, 1, dtype=spec.dtype, seed=spec.seed))
-    rt = model.single_runtime(model.grid_of(vid.shape))
-    if not deterministic:
-        rt.kernel_shapes = FAST
+    rt = model.single_runtime(model.grid_of(vid.shape), deterministic=deterministic)
     return model(vid, txt, 1000.0, runtime=rt)
 
 
@@ -137,7 +133,8 @@ def test_window_sp_small_preset_bitwise(clusters):
 def test_reference_vectors_bitwise_at_every_degree(clusters, directory):
     _, model, d = vector_model(directory)
     with torch.no_grad():
-        ref = model(d["vid_in"], d["txt_in"], d["timestep"])
+        ref = model(d["vid_in"], d["txt_in"], d["timestep"],
+                    runtime=model.single_runtime(model.grid_of(d["vid_in"].shape), deterministic=True))
     for n in DEGREES:
         for planner in ("lpt", "locality"):
             for rank, out in enumerate(clusters(n).run(forward_vectors, str(directory), planner)):

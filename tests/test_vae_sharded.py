@@ -14,6 +14,8 @@ from safetensors.torch import load_file
 from ditsp.distributed.agree import DisagreementError
 from ditsp.distributed.comm import Comm
 from ditsp.distributed.halo import exchange_rows
+from ditsp.fixed_shape import DETERMINISTIC
+from ditsp.fixed_shape import use as use_policy
 from ditsp.models.seedvr2.vae import TINY
 from ditsp.models.seedvr2.vae.fixtures import seeded_vae
 from ditsp.models.seedvr2.vae.sharded import ParallelVAE, SlabLayout, TimeLayout, even_split
@@ -49,6 +51,7 @@ def vectors_all_modes(ctx):
     return out
 
 
+@use_policy(DETERMINISTIC)
 def bitwise_cases(ctx, cases):
     """For each (dtype, T, H, W): is every sharded mode's encode and decode torch.equal to one device's?"""
     torch.set_num_threads(1)
@@ -71,6 +74,7 @@ def bitwise_cases(ctx, cases):
     return out
 
 
+@use_policy(DETERMINISTIC)
 def slab_handoff(ctx):
     """Encode left sharded by latent rows, then decode from the slabs; same as the full path."""
     torch.set_num_threads(1)

@@ -16,6 +16,7 @@ from ..argtypes import (  # noqa: F401 - the argument types live in ditsp.argtyp
     positive_int,
     positive_int_list,
 )
+from ..fixed_shape import DEFAULT_DETERMINISTIC
 from ..models.seedvr2.sizing import parse_grid, parse_resolution, request_grid
 
 
@@ -36,11 +37,12 @@ def add_plan_limit_args(p: argparse.ArgumentParser) -> None:
                    help="refuse requests whose planning is estimated to take longer (default 600 s)")
 
 
-def add_deterministic_arg(p: argparse.ArgumentParser) -> None:
+def add_deterministic_arg(p: argparse.ArgumentParser, default: bool = DEFAULT_DETERMINISTIC) -> None:
     """``--deterministic`` / ``--no-deterministic``: fixed-shape kernel calls (ditsp.fixed_shape) or plain ones."""
-    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
-                   help="fixed-shape kernel calls, so the output is the same bits at every SP degree on any CPU "
-                        "(default); --no-deterministic runs plain calls (equal within tolerance, faster)")
+    on, off = ("default", "faster") if default else ("about 1.05-1.5x the time", "default")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=default,
+                   help=f"fixed-shape kernel calls, so the output is the same bits at every SP degree on any CPU "
+                        f"({on}); --no-deterministic runs plain calls, equal within tolerance ({off})")
 
 
 def add_request_args(p: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ import sys
 
 from ..dtypes import NAMES as DTYPE_NAMES
 from ..models.seedvr2.presets import MODELS
+from ..fixed_shape import SERVE_DETERMINISTIC
 from .common import add_deterministic_arg
 
 
@@ -38,7 +39,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck collective fails")
     p.add_argument("--job-timeout", type=float, default=3600.0, help="seconds a job may go without progress before it is declared stuck")
     p.add_argument("--no-respawn", action="store_true", help="do not replace lost ranks with new workers")
-    add_deterministic_arg(p)
+    add_deterministic_arg(p, default=SERVE_DETERMINISTIC)
     p.add_argument("--retention-hours", type=float, metavar="H",
                    help="delete results of jobs finished more than H hours ago (default: keep them)")
     p.set_defaults(func=main)

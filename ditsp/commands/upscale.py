@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -112,7 +113,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     summary["memory_estimate"] = mem_line
     if args.check:
         summary["parity"] = parity_vs_one_device(req, summary, args.threads)
-        summary["check"] = check_verdict(summary["parity"], req.sp)
+        summary["check"] = check_verdict(summary["parity"], req.sp, req.deterministic)
     if args.plot:
         plot_report(summary, args.plot)
     if args.reference:  # quality figures against the clean original (ditsp.io.quality)
@@ -158,12 +159,22 @@ def _sweep_output(output: str) -> None:
     sweep_temps(os.path.dirname(os.path.abspath(output)), output)
 
 
-def check_verdict(parity: dict, sp: int) -> str:
-    """``"passed"``, or ``"failed: ..."`` saying how the SP frames differ from one device's."""
+# Under the fast kernel-shape policy SP equals one device within float tolerance (~1e-6 relative), so a
+# pixel may round to the neighbouring uint8 level and a lossy encoder may then code a block differently:
+# the check passes when the frames agree to at least this PSNR (far above any visible difference).
+FAST_MIN_PSNR_DB = 40.0
+
+
+def check_verdict(parity: dict, sp: int, deterministic: bool = True) -> str:
+    """``"passed"``, or ``"failed: ..."`` saying how the SP frames differ from one device's: under the
+    deterministic policy only equal bytes pass; under the fast one frames within ``FAST_MIN_PSNR_DB``."""
     if parity["same_frames"]:
         return "passed"
+    psnr = parity.get("psnr_vs_one_device")
+    if not deterministic and psnr is not None and psnr >= FAST_MIN_PSNR_DB:
+        return "passed"
     return (f"failed: SP={sp} frames differ from one device's (max abs difference after encoding "
-            f"{parity.get('max_abs_diff_decoded')})")
+            f"{parity.get('max_abs_diff_decoded')}, PSNR {psnr} dB)")
 
 
 def parity_vs_one_device(req, summary: dict, threads: int) -> dict:
@@ -185,7 +196,10 @@ def parity_vs_one_device(req, summary: dict, threads: int) -> dict:
         if not out["same_frames"]:  # say how far apart, from the written files
             a = torch.cat(list(open_media(req.output)[1])).int()
             b = torch.cat(list(open_media(ref_out)[1])).int()
-            out["max_abs_diff_decoded"] = int((a - b).abs().max()) if a.shape == b.shape else None
+            if a.shape == b.shape:
+                mse = float(((a - b).double() ** 2).mean())
+                out["max_abs_diff_decoded"] = int((a - b).abs().max())
+                out["psnr_vs_one_device"] = round(10 * math.log10(255.0 ** 2 / mse), 2)
     return out
 
 
@@ -193,4 +207,4 @@ def format_parity(p: dict, sp: int) -> str:
     if p["same_frames"]:
         return f"parity vs one device: SP={sp} wrote the same uint8 frames (sha256 {p['one_device_sha256'][:16]})"
     return (f"parity vs one device: frames differ (max abs difference after encoding "
-            f"{p.get('max_abs_diff_decoded')})")
+            f"{p.get('max_abs_diff_decoded')}, PSNR {p.get('psnr_vs_one_device')} dB)")

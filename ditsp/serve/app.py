@@ -33,6 +33,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import one_line
+from ..fixed_shape import SERVE_DETERMINISTIC
 from ..models.seedvr2 import request as job_request
 from .store import STATES, JobStore, new_id
 
@@ -59,7 +60,7 @@ class Settings:
     timeout_s: float = 60.0
     job_timeout_s: float = 3600.0
     respawn: bool = True
-    deterministic: bool = True  # fixed-shape kernel calls: a re-run job (any SP degree) writes the same frames
+    deterministic: bool = SERVE_DETERMINISTIC  # fixed-shape kernel calls: a re-run job (any SP degree) writes the same frames
     retention_hours: float | None = None  # results of finished jobs deleted after this long (None: kept)
 
     @property

@@ -54,7 +54,7 @@ from ..attention.window import WindowPack, window_attention
 from ..distributed.agree import agree
 from ..distributed.autograd import all_reduce_sum, connect_empty, replicated_gather
 from ..distributed.comm import Comm
-from ..fixed_shape import DETERMINISTIC
+from ..fixed_shape import DEFAULT
 from ..windows.exchange import exchange
 from ..windows.geometry import NUM_WINDOWS, WindowLayout, canonical_method, check_grid, short_name, window_layout
 from ..windows.ownership import RowOwnership, ownership_transition
@@ -209,7 +209,7 @@ def plan_halo(grid: Sequence[int], layer_methods: Sequence[str], world_size: int
 class HaloSlabRuntime:
     """Plan B for one request on one SP group; implements :class:`~ditsp.sp.protocol.SPRuntime`."""
 
-    kernel_shapes = DETERMINISTIC
+    kernel_shapes = DEFAULT
 
     def __init__(self, grid: Sequence[int], layer_methods: Sequence[str], comm: Comm,
                  num_windows: Sequence[int] = NUM_WINDOWS, dtype: torch.dtype = torch.float32,

@@ -32,7 +32,7 @@ import torch
 from ..attention.window import segment_attention
 from ..distributed.agree import agree
 from ..distributed.comm import Comm
-from ..fixed_shape import DETERMINISTIC
+from ..fixed_shape import DEFAULT
 from ..windows.exchange import exchange
 from ..windows.geometry import NUM_WINDOWS, canonical_method, short_name
 from ..windows.packed import PackedLayout, packed_layout
@@ -68,7 +68,7 @@ class PackedWindowPack:
 class PackedWindowRuntime:
     """Window-aligned SP for several requests at once on one SP group."""
 
-    kernel_shapes = DETERMINISTIC
+    kernel_shapes = DEFAULT
 
     def __init__(self, grids: Sequence[Sequence[int]], layer_methods: Sequence[str], comm: Comm,
                  text_lens: Sequence[int], planner: str = "lpt", num_windows: Sequence[int] = NUM_WINDOWS,

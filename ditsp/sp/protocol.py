@@ -30,7 +30,7 @@ import torch
 
 from ..attention.window import WindowPack
 from ..distributed.comm import Comm
-from ..fixed_shape import DETERMINISTIC, KernelShapes
+from ..fixed_shape import DEFAULT, KernelShapes
 from ..windows.ownership import RowOwnership
 
 RopeFn = Callable[[torch.Tensor, tuple[int, int, int]], torch.Tensor]
@@ -103,7 +103,7 @@ class ScheduleRuntime:
     the request's grid and layer methods, and window packs cached per layout and device."""
 
     schedule: object
-    kernel_shapes: KernelShapes = DETERMINISTIC
+    kernel_shapes: KernelShapes = DEFAULT
 
     @property
     def grid(self) -> tuple[int, int, int]:

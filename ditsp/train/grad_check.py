@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ParallelConfig
+from ..dtypes import DTYPES
 from ..distributed.autograd import reduce_gradients
 from ..distributed.comm import Comm
+from ..fixed_shape import DEFAULT_DETERMINISTIC
 from ..models.seedvr2.nadit.model import build_model, random_inputs
 from ..models.seedvr2.parallelize import parallelize
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class GradSpec:
     dtype: str = "fp32"
     path: str = "window"
     planner: str = "lpt"
-    deterministic: bool = True
+    deterministic: bool = DEFAULT_DETERMINISTIC
     checkpoint: bool = False
     layers: int | None = None
     seed: int = 0

@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from ...distributed.comm import Comm
+from ...fixed_shape import DEFAULT_DETERMINISTIC, shapes_for
 from ...fixed_shape import use as use_kernel_shapes
 from ...sp.packed_window import PackedWindowRuntime
 from .nadit.blocks import ATTN, GATE, MLP, SCALE, SHIFT, emb_slots, rms_norm
@@ -87,16 +88,20 @@ def _block(block, vid, txts, embs, rt: PackedWindowRuntime, layer: int):
 
 
 def packed_runtime(model, grids: Sequence[Sequence[int]], text_lens: Sequence[int], comm: Comm | None = None,
-                   planner: str = "lpt") -> PackedWindowRuntime:
-    """The packed runtime for ``model``'s schedule on ``comm`` (None: one rank)."""
+                   planner: str = "lpt", deterministic: bool = DEFAULT_DETERMINISTIC) -> PackedWindowRuntime:
+    """The packed runtime for ``model``'s schedule on ``comm`` (None: one rank); ``deterministic``: fixed-shape
+    kernel calls, so each output equals the request's one-device forward bit for bit."""
     cfg = model.cfg
-    return PackedWindowRuntime(grids, cfg.window_methods, comm or Comm.single(), text_lens, planner,
-                               cfg.num_windows, torch.float64)
+    rt = PackedWindowRuntime(grids, cfg.window_methods, comm or Comm.single(), text_lens, planner,
+                             cfg.num_windows, torch.float64)
+    rt.kernel_shapes = shapes_for(deterministic)
+    return rt
 
 
 @torch.no_grad()
 def packed_forward(model, requests: Sequence[tuple[torch.Tensor, torch.Tensor, object]],
-                   runtime: PackedWindowRuntime | None = None, planner: str = "lpt") -> list[torch.Tensor]:
+                   runtime: PackedWindowRuntime | None = None, planner: str = "lpt",
+                   deterministic: bool = DEFAULT_DETERMINISTIC) -> list[torch.Tensor]:
     """``requests``: (vid latent (T,H,W,33), txt (L, txt_in_dim), timestep) each -> one v (T,H,W,16) each.
 
     Every rank of the runtime's group passes the same requests and gets every output.
@@ -105,7 +110,7 @@ def packed_forward(model, requests: Sequence[tuple[torch.Tensor, torch.Tensor, o
     if cfg.variant != "3b":
         raise NotImplementedError(f"packed forward covers the 3B family; {cfg.name} is {cfg.variant}")
     grids = [model.grid_of(vid.shape) for vid, _, _ in requests]
-    rt = runtime or packed_runtime(model, grids, [t.shape[0] for _, t, _ in requests], None, planner)
+    rt = runtime or packed_runtime(model, grids, [t.shape[0] for _, t, _ in requests], None, planner, deterministic)
     if [tuple(g) for g in rt.grids] != [tuple(g) for g in grids] or tuple(rt.layer_methods) != tuple(cfg.window_methods):
         raise ValueError(f"runtime planned {rt.grids}; the requests have grids {grids}")
     if list(rt.text_lens) != [t.shape[0] for _, t, _ in requests]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...dtypes import NAMES as DTYPE_NAMES
+from ...fixed_shape import DEFAULT_DETERMINISTIC
 from ...io.formats import WRITE_IMAGE_EXTS, WRITE_VIDEO_EXTS, output_exts
 from ...weights.fp8 import WEIGHTS_DTYPES
 from ...windows.planners import PLANNERS as _PLANNER_TABLE
@@ -72,7 +73,7 @@ class UpscaleRequest:
     progress: bool = True
     sample_frames: int = 0  # keep this many (input, output) frame pairs for a picture
     handoff: bool = True  # height-sharded VAE: slabs straight to the DiT's windows (False: gather, then scatter)
-    deterministic: bool = True  # fixed-shape kernel calls in the DiT and the VAE: the same frames at every SP degree
+    deterministic: bool = DEFAULT_DETERMINISTIC  # fixed-shape kernel calls in the DiT and the VAE: the same frames at every SP degree
 
 
 @dataclass
@@ -107,7 +108,7 @@ class Options:
     timeout: float = 3600.0
     sample_frames: int = 0
     progress: bool = True
-    deterministic: bool = True
+    deterministic: bool = DEFAULT_DETERMINISTIC
 
 
 def from_args(args) -> Options:

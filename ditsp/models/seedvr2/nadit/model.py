@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ....config import ParallelConfig
+from ....fixed_shape import DEFAULT_DETERMINISTIC
 from ....fixed_shape import use as use_kernel_shapes
 from ....sp import SPRuntime, WindowRuntime, check_request
 from ....sp.recompute import checkpointed
@@ -120,11 +122,12 @@ class NaDiT(nn.Module):
             raise ValueError(f"latent (T,H,W)=({T},{H},{W}) does not divide by the patch {self.cfg.patch_size}")
         return (T // pt, H // ph, W // pw)
 
-    def single_runtime(self, grid: Sequence[int], planner: str = "lpt") -> WindowRuntime:
+    def single_runtime(self, grid: Sequence[int], planner: str = "lpt",
+                       deterministic: bool = DEFAULT_DETERMINISTIC) -> WindowRuntime:
         """The one-rank runtime: the single-device forward (the same runtime SP builds, on one rank)."""
         from ..parallelize import parallelize
 
-        return parallelize(self.cfg, None, grid, None, planner)
+        return parallelize(self.cfg, ParallelConfig(deterministic=deterministic), grid, None, planner)
 
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, timestep, runtime: SPRuntime | None = None,
                 states: dict | None = None, rows: RowOwnership | None = None) -> torch.Tensor:

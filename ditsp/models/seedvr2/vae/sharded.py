@@ -67,7 +67,9 @@ class ParallelVAE:
 
     ``chunk``: latent frames per causal chunk in the chunked modes. ``budget_bytes``: per-rank memory
     budget for ``mode="auto"`` (``None``: no limit). ``tile``/``overlap``: latent tile size and
-    overlap of the tiled mode.
+    overlap of the tiled mode. Kernel calls follow the caller's kernel-shape policy
+    (:func:`ditsp.fixed_shape.use`; the restoration enters its request's): under ``DETERMINISTIC`` every
+    exact mode equals one device bit for bit, under the default plain calls within tolerance.
     """
 
     def __init__(self, vae: VideoVAE, comm: Comm | None = None, *, chunk: int = 1, budget_bytes: int | None = None,
