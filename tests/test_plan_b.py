@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from ditsp.config import ParallelConfig
 from ditsp.engine import Engine, RunSpec, build_for
 from ditsp.models.seedvr2.nadit.config import TINY
 from ditsp.models.seedvr2.parallelize import parallelize
