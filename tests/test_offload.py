@@ -19,10 +19,16 @@ pytestmark = pytest.mark.timeout(240)
 GRID = (3, 8, 12)
 
 
-def forward(model):
+def forward(model, deterministic: bool | None = None):
+    from ditsp.fixed_shape import shapes_for
+
     vid, txt = random_inputs(TINY, GRID, seed=1)
+    rt = None
+    if deterministic is not None:
+        rt = model.single_runtime(model.grid_of(vid.shape))
+        rt.kernel_shapes = shapes_for(deterministic)
     with torch.no_grad():
-        return model(vid, txt, 1000.0)
+        return model(vid, txt, 1000.0, runtime=rt)
 
 
 @pytest.mark.parametrize("n", [1, 2, TINY.num_layers])
@@ -94,3 +100,31 @@ def test_cli_offload_blocks(capsys):
     with pytest.raises(SystemExit):
         main(["run", "--model", "tiny", "--grid", "3,8,12", "--sp", "1", "--offload-blocks", "99"])
     assert "--offload-blocks 99: the model has" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------- native FP8 matmul
+
+
+def test_native_fp8_matmul_is_guarded_and_close_to_the_dequantizing_path(one_thread):
+    """``ditsp/weights/fp8_matmul.py``: off on a CPU (no claim without a device that has it); forced
+    onto torch's CPU kernel, the same code is within the activations' FP8 rounding of the exact path."""
+    from ditsp.weights.fp8_matmul import native_error, native_supported, scaled_linear, use_native_fp8
+
+    assert not native_supported("cpu")
+    model = build_model(TINY, weights_dtype="fp8", seed=5)
+    ref = forward(model, deterministic=True)
+    loose_ref = forward(model, deterministic=False)
+    assert use_native_fp8(model) and torch.equal(forward(model, deterministic=False), loose_ref), \
+        "unsupported device: the layers' own path"
+    assert native_error(model) < 0.08
+    plain = build_model(TINY, weights_dtype="fp8", seed=5)
+    names = use_native_fp8(plain, force=True)
+    assert "blocks.0.attn.proj_qkv.vid.weight" in names
+    out = forward(plain, deterministic=False)  # the native path runs only under the plain kernel policy
+    assert torch.equal(forward(plain, deterministic=True), ref)
+    assert not torch.equal(out, loose_ref) and float((out - loose_ref).abs().max() / loose_ref.abs().max()) < 0.1
+    raw = torch.randn(32, 64).to(torch.float8_e4m3fn).view(torch.uint8)
+    x = torch.randn(3, 5, 64)
+    y = scaled_linear(x, raw, (32, 64), 0.5)
+    exact = x @ (raw.view(torch.float8_e4m3fn).float() * 0.5).t()
+    assert y.shape == (3, 5, 32) and float((y - exact).abs().max() / exact.abs().max()) < 0.08
