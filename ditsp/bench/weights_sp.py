@@ -108,6 +108,7 @@ def main(args: argparse.Namespace, parser=None) -> int:
         folder = tmp.name
     os.makedirs(folder, exist_ok=True)
     rows = []
+    load_before = os.getloadavg()[0]
     try:
         for fmt in formats:
             path = write_file(fmt, folder, args.model, args.layers)
@@ -140,10 +141,12 @@ def main(args: argparse.Namespace, parser=None) -> int:
         f"(sampled every ms, every large allocation its own mapping); *peak RSS*: its high-water mark, which "
         f"also counts the file pages its maps touched (page cache, shared by the host); max over ranks, and "
         f"rank 0 / the others where they differ. *cold*: the file's pages evicted before the load "
-        f"(`posix_fadvise(DONTNEED)`); *warm*: read once before. Default read: `{DEFAULT_READ}`.",
+        f"(`posix_fadvise(DONTNEED)`); *warm*: read once before. Default read: `{DEFAULT_READ}`. Load "
+        f"average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end: other jobs "
+        f"shared the cores, so compare rows of one run, and SP 4 on fewer cores is oversubscribed.",
         "",
         "| format | cache | SP | read | file GiB | kept GiB | load s | peak anon GiB (rank 0 / others) "
-        "| peak RSS GiB (rank 0 / others) | on the wire GiB |",
+        "| peak RSS GiB (rank 0 / others) | received GiB (all ranks) |",
         "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
 
