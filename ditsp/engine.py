@@ -40,6 +40,7 @@ class ModelSpec:
     dtype: str = "fp32"
     seed: int = 0
     weights_dtype: str | None = None  # "fp8"/"fp8_e5m2": weights quantized at load (ditsp/weights)
+    offload_blocks: int = 0  # the first N blocks kept in host memory, each brought in ahead of its turn
 
 
 @dataclass(frozen=True)
@@ -65,18 +66,24 @@ class RunSpec:
     # Fixed-shape kernel calls (ditsp.fixed_shape): the output equals one device's bit for bit.
     deterministic: bool = DEFAULT_DETERMINISTIC
     weights_dtype: str | None = None
+    offload_blocks: int = 0  # ditsp/weights/offload.py
 
     @property
     def model_spec(self) -> ModelSpec:
-        return ModelSpec(self.model, self.layers, self.checkpoint, self.dtype, self.seed, self.weights_dtype)
+        return ModelSpec(self.model, self.layers, self.checkpoint, self.dtype, self.seed, self.weights_dtype,
+                         self.offload_blocks)
 
 
 def _model_of(spec: ModelSpec, device: torch.device | str = "cpu"):
     """The model of ``spec``, identical on every rank (a checkpoint, or seeded weights)."""
     from .models.seedvr2.nadit.model import build_model
 
-    return build_model(spec.model, spec.layers, spec.checkpoint, seed=spec.seed, dtype=DTYPES[spec.dtype],
-                       device=device, weights_dtype=spec.weights_dtype)
+    from .weights.offload import offload_blocks
+
+    model = build_model(spec.model, spec.layers, spec.checkpoint, seed=spec.seed, dtype=DTYPES[spec.dtype],
+                        device=device, weights_dtype=spec.weights_dtype)
+    offload_blocks(model, spec.offload_blocks, device)
+    return model
 
 
 def build_for(spec: RunSpec, device: torch.device | str = "cpu"):
@@ -203,6 +210,7 @@ def rank_forward(ctx: RankContext, spec: RunSpec, return_output: bool = True) ->
         "report": rt.report(heads=model.cfg.heads),
         "kernel_shapes": rt.kernel_shapes.describe(),
         "output": out.float().cpu() if return_output and ctx.rank == 0 else None,
+        "offload": model.block_offload.report() if getattr(model, "block_offload", None) else None,
     }
 
 
@@ -229,6 +237,8 @@ def summarize(spec: RunSpec, results: list[dict], check: bool, threads: int) -> 
         "collectives": results[0]["collectives"],
         "output_shape": list(out.shape) if out is not None else None,
     }
+    if results[0].get("offload"):
+        summary["offload"] = results[0]["offload"]
     if check and out is not None:
         torch.set_num_threads(threads)
         model, vid, txt = build_for(spec)

@@ -36,6 +36,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--weights-dtype", default="stored", choices=list(WEIGHTS_DTYPES),
                    help="keep float weights as stored (cast to --dtype) or quantize them to FP8 at load")
+    p.add_argument("--offload-blocks", type=nonneg_int, default=0, metavar="N",
+                   help="keep the first N DiT blocks in host memory, each brought to the device ahead of its turn")
     p.add_argument("--planner", default=None,
                    help="window planner (lpt, locality); giving one runs Plan A with it even under --path auto")
     p.add_argument("--path", default="auto", choices=["window", "ulysses", "halo", "auto"],
@@ -164,12 +166,15 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--checkpoint {args.checkpoint}: no such file")
     grid, notes = resolve_grid(args, parser)
     cfg = get_config(args.model, args.layers)
+    if args.offload_blocks > cfg.num_layers:
+        parser.error(f"--offload-blocks {args.offload_blocks}: the model has {cfg.num_layers} blocks")
     plan = check_plan_size(parser, args, grid, cfg, args.sp, args.planner or "locality")  # auto plans every path
     check_resources(parser, args, cfg, grid, plan.bytes)
     spec = RunSpec(model=args.model, grid=grid, sp=args.sp, layers=args.layers, checkpoint=args.checkpoint,
                    dtype=args.dtype, planner=args.planner, path=args.path, seed=args.seed,
                    warmup=args.warmup, repeats=args.repeats, deterministic=args.deterministic,
-                   weights_dtype=None if args.weights_dtype == "stored" else args.weights_dtype)
+                   weights_dtype=None if args.weights_dtype == "stored" else args.weights_dtype,
+                   offload_blocks=args.offload_blocks)
     try:
         with plan_limits(args.max_plan_memory, args.max_plan_seconds):
             summary = run(spec, check=args.check, threads=args.threads, timeout_s=args.timeout)

@@ -93,6 +93,13 @@ class Comm:
             return cls.single(stats)
         return cls(group, stats)
 
+    @property
+    def wire_device(self) -> str:
+        """Where this group's collectives take their tensors: ``"cuda"`` for NCCL, else ``"cpu"``."""
+        if self.group is not None and dist.get_backend(self.group) == "nccl":
+            return "cuda"
+        return "cpu"
+
     # -- collectives ---------------------------------------------------------
 
     def all_to_all_single(

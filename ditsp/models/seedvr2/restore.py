@@ -145,7 +145,7 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
 
     group = ctx.group if ctx.world_size > 1 else None
     device = ctx.device
-    models = load(req.weights, device)
+    models = load(req.weights, device, comm=Comm.of(group))  # a bad checkpoint: the same error on every rank
     vae = models.vae
     info, chunks = open_media(req.input)
     frames_total = info.frames

@@ -60,21 +60,27 @@ class SeedVR2:
 _CACHE: dict = {}
 
 
-def load(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2:
-    """The pieces of ``spec`` for this process (built on first use; one set kept)."""
+def load(spec: WeightsSpec, device: torch.device | str = "cpu", comm=None, read: str | None = None) -> SeedVR2:
+    """The pieces of ``spec`` for this process (built on first use; one set kept).
+
+    ``comm``: the SP group's ranks, loading the checkpoints together when none of them holds the
+    pieces yet (``read``: ``ditsp/weights/shared.py``; a bad file is the same error on every rank);
+    where some already hold them the others load alone."""
 
     key = (spec, str(device))
+    if comm is not None and comm.world_size > 1 and not all(comm.all_gather_object(key not in _CACHE)):
+        comm = None
     if key in _CACHE:
         return _CACHE[key]
     _CACHE.clear()
     dtype = DTYPES[spec.dtype]
     dit = build_model(spec.model, checkpoint=spec.dit, seed=spec.seed, dtype=dtype, device=device,
-                      weights_dtype=spec.weights_dtype)
+                      weights_dtype=spec.weights_dtype, comm=comm, read=read)
     vae_cfg = VAE_PRESETS[MODELS[spec.model]]
     if spec.vae:
         with torch.device("meta"):  # streamed: tensors are read one by one into the final dtype
             vae = VideoVAE(vae_cfg)
-        _load_vae(vae, spec.vae, dtype, spec.weights_dtype)
+        _load_vae(vae, spec.vae, dtype, spec.weights_dtype, comm, read)
     else:
         vae = quantize_(seeded_vae(vae_cfg, spec.seed + 7), spec.weights_dtype, dtype)
     vae = vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
@@ -89,14 +95,15 @@ def load(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2:
     return _CACHE[key]
 
 
-def _load_vae(vae, path: str, dtype: torch.dtype = torch.float32, weights_dtype: str | None = None) -> None:
+def _load_vae(vae, path: str, dtype: torch.dtype = torch.float32, weights_dtype: str | None = None, comm=None,
+              read: str | None = None) -> None:
     """The VAE checkpoint into ``vae``; an unreadable file is one line (never torch's advice to load unsafely)."""
     from ...weights import error_line
     from .nadit.checkpoint import CheckpointError
     from .vae import CheckpointError as VAECheckpointError
 
     try:
-        load_checkpoint(vae, path, dtype=dtype, weights_dtype=weights_dtype)
+        load_checkpoint(vae, path, dtype=dtype, weights_dtype=weights_dtype, comm=comm, read=read)
     except (CheckpointError, VAECheckpointError):
         raise
     except Exception as e:  # noqa: BLE001 - a pickle payload, a truncated file, a wrong format

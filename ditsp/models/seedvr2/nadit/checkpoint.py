@@ -28,7 +28,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ....weights import StoredTensor, assign, error_line, materialize, open_any, targets_of
+from ....weights import StoredTensor, assign, error_line, materialize, targets_of
+from ....weights.shared import open_group, settle
 from .rope import RopeBuffer
 
 REF_SUFFIX, PORT_SUFFIX = ".rope.rope.freqs", ".rope.freqs"
@@ -159,12 +160,8 @@ def _check_rope(model: nn.Module, sd: Mapping[str, StoredTensor]) -> None:
                                       f"RoPE frequencies {want[:3].tolist()}... ({mod.describe()})")
 
 
-def _open(path_or_sd):
-    return open_any(path_or_sd, CheckpointError)
-
-
 def load_checkpoint(model: nn.Module, path_or_sd, allow_truncated: bool = False, dtype: torch.dtype | None = None,
-                    weights_dtype: str | None = None) -> LoadReport:
+                    weights_dtype: str | None = None, comm=None, read: str | None = None) -> LoadReport:
     """Strictly load a checkpoint file (any format of :data:`ditsp.weights.FORMATS`) or an in-memory
     state_dict into ``model``, one tensor at a time.
 
@@ -172,16 +169,21 @@ def load_checkpoint(model: nn.Module, path_or_sd, allow_truncated: bool = False,
     weights stay in their stored form, dequantized per layer in the compute dtype;
     ``weights_dtype="fp8"`` quantizes float weight matrices at load. A model built on the meta
     device is materialised tensor by tensor. RoPE buffers keep their analytic values.
+
+    ``comm``: the ranks loading together (``ditsp/weights/shared.py``): ``read`` "one-reader" has
+    one rank read the file and send the others each tensor as stored; "every-rank" reads it on
+    each. Either way a problem raises the same error on every rank.
     """
     is_path = isinstance(path_or_sd, (str, os.PathLike))
-    ckpt = _open(path_or_sd)
+    ckpt = open_group(path_or_sd, comm, read, CheckpointError)
     raw_names = ckpt.entries
-    entries, dropped = check_state_dict(model, raw_names, allow_truncated)
+    entries, dropped = settle(comm, lambda: check_state_dict(model, raw_names, allow_truncated), CheckpointError)
     targets = targets_of(model)
     rope = {f"{name}.freqs" for name, _ in _rope_modules(model)}
-    got = materialize(entries, targets, dtype, weights_dtype)
-    _raise_if(nonfinite=[f"{k}: {n_nan} NaN, {n_inf} Inf of {n} values"
-                         for k, (n_nan, n_inf, n) in sorted(got.nonfinite.items())])
+    got = settle(comm, lambda: materialize(entries, targets, dtype, weights_dtype), CheckpointError)
+    settle(comm, lambda: _raise_if(nonfinite=[f"{k}: {n_nan} NaN, {n_inf} Inf of {n} values"
+                                              for k, (n_nan, n_inf, n) in sorted(got.nonfinite.items())]),
+           CheckpointError)
     for name, mod in _rope_modules(model):  # full-precision analytic RoPE, whatever the file stored
         key = f"{name}.freqs"
         if key in got.kept:

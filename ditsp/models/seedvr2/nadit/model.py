@@ -209,11 +209,12 @@ def random_inputs(cfg: NaDiTConfig, grid: Sequence[int], seed: int = 0, txt_len:
 
 def build_model(cfg: NaDiTConfig | str, num_layers: int | None = None, checkpoint: str | None = None, seed: int = 0,
                 dtype: torch.dtype = torch.float32, device="cpu", allow_truncated: bool = False,
-                weights_dtype: str | None = None) -> NaDiT:
+                weights_dtype: str | None = None, comm=None, read: str | None = None) -> NaDiT:
     """A ready NaDiT: preset name or config, strict checkpoint or seeded random weights, eval mode.
 
     ``weights_dtype`` ("fp8", "fp8_e5m2"; None keeps the file's formats) quantizes the weight
-    matrices at load; FP8/GGUF checkpoints stay quantized either way (``ditsp/weights``)."""
+    matrices at load; FP8/GGUF checkpoints stay quantized either way (``ditsp/weights``).
+    ``comm``/``read``: the ranks loading the checkpoint together (``ditsp/weights/shared.py``)."""
     from ....weights.load import quantize_
     from .checkpoint import load_checkpoint
     from .config import get_config
@@ -222,7 +223,8 @@ def build_model(cfg: NaDiTConfig | str, num_layers: int | None = None, checkpoin
     if checkpoint:
         with torch.device("meta"):
             model = NaDiT(cfg)
-        load_checkpoint(model, checkpoint, allow_truncated=allow_truncated, dtype=dtype, weights_dtype=weights_dtype)
+        load_checkpoint(model, checkpoint, allow_truncated=allow_truncated, dtype=dtype, weights_dtype=weights_dtype,
+                        comm=comm, read=read)
     else:
         model = quantize_(init_random_(NaDiT(cfg), seed), weights_dtype, dtype)
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

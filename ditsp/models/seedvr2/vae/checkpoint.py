@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ....weights import StoredTensor, assign, materialize, open_any, targets_of
+from ....weights.shared import open_group, settle
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT_FORMATS = ("fp32", "fp16", "bf16")
@@ -84,15 +85,17 @@ def _raise_if(problems) -> None:
 
 
 def load_checkpoint(model: nn.Module, path_or_sd, dtype: torch.dtype | None = None,
-                    weights_dtype: str | None = None) -> int:
+                    weights_dtype: str | None = None, comm=None, read: str | None = None) -> int:
     """Load strictly into ``model``, one tensor at a time (converted to ``dtype`` or the model's
     dtype; FP8/GGUF weights stay quantized, ``weights_dtype="fp8"`` quantizes float kernels and
-    matrices at load); returns the tensor count. A model on the meta device is materialised."""
-    ckpt = _open(path_or_sd)
-    entries = check_state_dict(model, ckpt.entries)
+    matrices at load); returns the tensor count. A model on the meta device is materialised.
+    ``comm``/``read``: ranks loading together, as the DiT's loader (``ditsp/weights/shared.py``)."""
+    ckpt = open_group(path_or_sd, comm, read, CheckpointError)
+    entries = settle(comm, lambda: check_state_dict(model, ckpt.entries), CheckpointError)
     targets = targets_of(model)
-    got = materialize(entries, targets, dtype, weights_dtype)
-    _raise_if([("non-finite", [f"{k}: {b[0] + b[1]} non-finite values" for k, b in sorted(got.nonfinite.items())])])
+    got = settle(comm, lambda: materialize(entries, targets, dtype, weights_dtype), CheckpointError)
+    settle(comm, lambda: _raise_if([("non-finite", [f"{k}: {b[0] + b[1]} non-finite values"
+                                                    for k, b in sorted(got.nonfinite.items())])]), CheckpointError)
     compute = dtype or next((t.dtype for t in targets.values() if t.dtype.is_floating_point), torch.float32)
     assign(model, got.kept, compute)
     if dtype is not None:
