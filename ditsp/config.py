@@ -33,7 +33,9 @@ class ParallelConfig:
       stacked all-to-all (1 call) instead of one each (3 calls, the default: a send
       stage of one tensor at a time, the lower peak); same results, same bytes
       (see ditsp.attention.ulysses).
-    - ``window_planner``: window planner for window-aligned SP.
+    - ``window_planner``: the window planner of window-aligned SP (Plan A); ``None``: ``lpt``, or under
+      ``window_path="auto"`` whichever planner the cost model picks. A named planner under ``auto``
+      means Plan A with it.
     - ``window_path``: the SP runtime of a window model: ``window`` (Plan A,
       planner above), ``halo`` (Plan B), ``ulysses`` (baseline) or ``auto``
       (the cheapest by :mod:`ditsp.sp.choice`'s cost model, agreed by every rank).
@@ -58,7 +60,7 @@ class ParallelConfig:
     use_allgather: bool = False
     advanced_uaa: bool = False
     ulysses_a2a_stacked: bool = False
-    window_planner: str = "lpt"
+    window_planner: str | None = None
     window_path: str = "auto"
     ulysses_a2a: str | None = None
     ulysses_a2a_long_training: str | None = None

@@ -117,8 +117,8 @@ class Engine:
         if key not in self._runtimes:
             if len(self._runtimes) >= self.MAX_RUNTIMES:
                 self._runtimes.pop(next(iter(self._runtimes)))
-            pc = ParallelConfig.window(sp, window_planner=planner or "lpt", deterministic=deterministic)
-            self._runtimes[key] = parallelize(self.model.cfg, pc, grid, group, planner, path)
+            pc = ParallelConfig.window(sp, window_planner=planner, window_path=path, deterministic=deterministic)
+            self._runtimes[key] = parallelize(self.model.cfg, pc, grid, group)
         return self._runtimes[key]
 
 

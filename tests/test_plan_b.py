@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from ditsp.config import ParallelConfig
 from ditsp.engine import Engine, RunSpec, build_for
 from ditsp.models.seedvr2.nadit.config import TINY
 from ditsp.models.seedvr2.parallelize import parallelize
@@ -69,7 +70,7 @@ def test_single_rank_halo_is_the_single_device_forward():
     spec = RunSpec("tiny", RAGGED, 1)
     model, vid, txt = build_for(spec)
     with torch.no_grad():
-        rt = parallelize(model.cfg, None, model.grid_of(vid.shape), None, None, "halo")
+        rt = parallelize(model.cfg, ParallelConfig(window_path="halo"), model.grid_of(vid.shape))
         assert isinstance(rt, HaloSlabRuntime)
         assert torch.equal(model(vid, txt, 1000.0, runtime=rt), single(spec))
 

@@ -209,8 +209,8 @@ def replan(spec, grids, planner: str, comm: Comm) -> dict:
     world = comm.world_size
     if models is not None:
         for grid in grids:
-            parallelize(models.dit.cfg, ParallelConfig.window(world), tuple(grid),
-                        comm.group, planner)
+            parallelize(models.dit.cfg, ParallelConfig.window(world, window_planner=planner), tuple(grid),
+                        comm.group)
     return {"replan_s": time.perf_counter() - t0, "grids": len(grids)}
 
 

@@ -142,9 +142,9 @@ class Trainer:
             from ..models.seedvr2.parallelize import parallelize
 
             grid = self.dit.grid_of(latent_shape)
-            pc = ParallelConfig.window(self.comm.world_size, window_planner=self.cfg.planner)
-            self._runtime = parallelize(self.dit.cfg, pc, grid, self.group,
-                                        self.cfg.planner if self.cfg.path == "window" else None, self.cfg.path)
+            pc = ParallelConfig.window(self.comm.world_size, window_path=self.cfg.path,
+                                       window_planner=self.cfg.planner if self.cfg.path == "window" else None)
+            self._runtime = parallelize(self.dit.cfg, pc, grid, self.group)
         return self._runtime
 
     def loss(self, step: int) -> torch.Tensor:

@@ -6,15 +6,17 @@ configuration against what SeedVR2 can run (window attention only: no ring,
 no uneven-head Ulysses, no permuted transport) and returns the runtime the
 model's forward takes:
 
+Everything comes from the :class:`~ditsp.config.ParallelConfig` (one route per setting):
+``window_path`` picks the runtime and ``window_planner`` Plan A's planner.
+
 - ``path="window"``: window-aligned SP (Plan A), planner from the config;
 - ``path="ulysses"``: the Ulysses baseline (contiguous token shards, heads
   moved around window attention), for comparison;
 - ``path="halo"``: halo-slab Plan B (fixed slabs, halo Q/K/V lent to attention);
 - ``path="auto"``: the cheapest of Plan A (LPT, locality), Plan B and Ulysses by
   :func:`ditsp.sp.choice.choose`, the same on every rank; its report names the
-  choice and the runner-up. This is the default: ``path=None`` takes
-  ``parallel_config.window_path`` (``"auto"``), or ``"window"`` when a planner
-  is named.
+  choice and the runner-up. This is the default (``window_path="auto"``); a
+  named ``window_planner`` under ``auto`` means Plan A with that planner.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from .nadit.config import NaDiTConfig
 PATHS = ("window", "ulysses", "halo", "auto")
 
 
-def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: Sequence[int], group=None,
-                planner: str | None = None, path: str | None = None) -> SPRuntime:
+def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: Sequence[int],
+                group=None) -> SPRuntime:
     """The SP runtime of one request of model ``cfg`` on SP group ``group`` (None: one rank).
 
     ``group``'s size must equal the configured SP degree. Text sums are
@@ -51,12 +53,12 @@ def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: 
             f"window-aligned SP degree {pc.sp_degree} needs an SP group of {pc.sp_degree} ranks, got {world}")
     comm = Comm.of(group)
     configure(comm, pc)  # the exchange's transport policy (chunked all-to-all) of this config
-    path = path or pc.window_path
+    path, planner = pc.window_path, pc.window_planner
     if path == "auto" and planner:
         path = "window"  # a named planner means Plan A with it
     if path not in PATHS:
         raise ValueError(f"unknown SP path {path!r}; choose from {', '.join(PATHS)}")
-    rt = _auto(cfg, grid, comm) if path == "auto" else _build(path, cfg, grid, comm, planner or pc.window_planner)
+    rt = _auto(cfg, grid, comm) if path == "auto" else _build(path, cfg, grid, comm, planner or "lpt")
     rt.kernel_shapes = shapes_for(pc.deterministic)
     if world > 1:
         agree(comm, "the kernel-shape policy (deterministic)", {"deterministic": pc.deterministic})

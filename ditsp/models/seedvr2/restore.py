@@ -274,8 +274,8 @@ def _input_times(req: UpscaleRequest, info, frames: int, notes: list[str]) -> li
 def _runtime(runtimes: dict, ctx, dit, grid, planner: str | None, deterministic: bool):
     if grid not in runtimes:
         group = ctx.group if ctx.world_size > 1 else None
-        pc = ParallelConfig.window(ctx.world_size, deterministic=deterministic)
-        runtimes[grid] = parallelize(dit.cfg, pc, grid, group, planner)
+        pc = ParallelConfig.window(ctx.world_size, window_planner=planner, deterministic=deterministic)
+        runtimes[grid] = parallelize(dit.cfg, pc, grid, group)
     return runtimes[grid]
 
 

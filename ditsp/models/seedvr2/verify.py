@@ -123,8 +123,8 @@ def _nadit_rank(ctx, directory: str, planner: str) -> tuple[float, str, str]:
     from .parallelize import parallelize
 
     cfg, model, io = _load_nadit(directory)
-    rt = parallelize(cfg, ParallelConfig.window(ctx.world_size, window_planner=planner),
-                     model.grid_of(io["vid_in"].shape), ctx.group, planner, path="window")
+    rt = parallelize(cfg, ParallelConfig.window(ctx.world_size, window_planner=planner, window_path="window"),
+                     model.grid_of(io["vid_in"].shape), ctx.group)
     out = model(io["vid_in"], io["txt_in"], io["timestep"], runtime=rt)
     return rel_err(out.reshape(io["vid_out"].shape), io["vid_out"]), _digest(out), rt.report(heads=cfg.heads)
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ....config import ParallelConfig
 from ....fixed_shape import use as use_kernel_shapes
 from ....sp import SPRuntime, WindowRuntime, check_request
 from ....sp.recompute import checkpointed
@@ -124,7 +125,7 @@ class NaDiT(nn.Module):
         """The one-rank runtime: the single-device forward (the same runtime SP builds, on one rank)."""
         from ..parallelize import parallelize
 
-        return parallelize(self.cfg, None, grid, None, planner)
+        return parallelize(self.cfg, ParallelConfig(window_planner=planner), grid)
 
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, timestep, runtime: SPRuntime | None = None,
                 states: dict | None = None, rows: RowOwnership | None = None) -> torch.Tensor:
