@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ...config import ParallelConfig, ParallelConfigError
 from ...distributed.comm import Comm
 from ...distributed.agree import agree
-from ...distributed.transport import configure
+from ...distributed.transport import TransportSettings
 from ...fixed_shape import shapes_for
 from ...sp import SPRuntime, UlyssesWindowRuntime, WindowRuntime
 from .nadit.config import NaDiTConfig
@@ -52,30 +52,32 @@ def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: 
         raise ParallelConfigError(
             f"window-aligned SP degree {pc.sp_degree} needs an SP group of {pc.sp_degree} ranks, got {world}")
     comm = Comm.of(group)
-    configure(comm, pc)  # the exchange's transport policy (chunked all-to-all) of this config
     path, planner = pc.window_path, pc.window_planner
     if path == "auto" and planner:
         path = "window"  # a named planner means Plan A with it
     if path not in PATHS:
         raise ValueError(f"unknown SP path {path!r}; choose from {', '.join(PATHS)}")
-    rt = _auto(cfg, grid, comm) if path == "auto" else _build(path, cfg, grid, comm, planner or "lpt")
+    a2a = TransportSettings.resolve(pc)  # the policy of the runtime's all-to-alls (carried by the runtime)
+    rt = _auto(cfg, grid, comm, a2a) if path == "auto" else _build(path, cfg, grid, comm, planner or "lpt", a2a)
     rt.kernel_shapes = shapes_for(pc.deterministic)
     if world > 1:
         agree(comm, "the kernel-shape policy (deterministic)", {"deterministic": pc.deterministic})
     return rt
 
 
-def _build(path: str, cfg: NaDiTConfig, grid: Sequence[int], comm: Comm, planner: str | None) -> SPRuntime:
+def _build(path: str, cfg: NaDiTConfig, grid: Sequence[int], comm: Comm, planner: str | None,
+           a2a: TransportSettings) -> SPRuntime:
     if path == "window":
-        return WindowRuntime(grid, cfg.window_methods, comm, planner, cfg.num_windows, torch.float64)
+        return WindowRuntime(grid, cfg.window_methods, comm, planner, cfg.num_windows, torch.float64, a2a)
     if path == "ulysses":
-        return UlyssesWindowRuntime(grid, cfg.window_methods, cfg.heads, comm, cfg.num_windows, torch.float64)
+        return UlyssesWindowRuntime(grid, cfg.window_methods, cfg.heads, comm, cfg.num_windows, torch.float64,
+                                    a2a)
     from ...sp.halo_slab import HaloSlabRuntime
 
-    return HaloSlabRuntime(grid, cfg.window_methods, comm, cfg.num_windows, torch.float64)
+    return HaloSlabRuntime(grid, cfg.window_methods, comm, cfg.num_windows, torch.float64, transport=a2a)
 
 
-def _auto(cfg: NaDiTConfig, grid: Sequence[int], comm: Comm) -> SPRuntime:
+def _auto(cfg: NaDiTConfig, grid: Sequence[int], comm: Comm, a2a: TransportSettings) -> SPRuntime:
     """The cost model's cheapest path, checked to be the same on every rank, then built."""
     from ...sp.choice import ChosenRuntime, Link, choose, split_path
 
@@ -84,5 +86,5 @@ def _auto(cfg: NaDiTConfig, grid: Sequence[int], comm: Comm) -> SPRuntime:
     agree(comm, "the auto SP path (choice, runner-up, link)",
           {"choice": [c.path for c in choice.costs[:2]], "link": link.as_dict()})
     base, planner = split_path(choice.best.path)
-    rt = _build(base, cfg, grid, comm, planner)
+    rt = _build(base, cfg, grid, comm, planner, a2a)
     return ChosenRuntime(rt, choice)
