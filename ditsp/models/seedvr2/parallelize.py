@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from ...config import ParallelConfig, ParallelConfigError
 from ...distributed.comm import Comm
@@ -39,19 +38,20 @@ PATHS = ("window", "ulysses", "halo", "auto")
 
 def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: Sequence[int],
                 group=None) -> SPRuntime:
-    """The SP runtime of one request of model ``cfg`` on SP group ``group`` (None: one rank).
+    """The SP runtime of one request of model ``cfg`` on SP group ``group`` (None: one rank; a
+    :class:`~ditsp.distributed.comm.Comm`: that Comm itself, so a job's collectives count in one place).
 
     ``group``'s size must equal the configured SP degree. Text sums are
     reduced in fp64 whatever the model dtype, so their value does not depend
     on which rank holds which window.
     """
     pc = parallel_config or ParallelConfig()
-    world = 1 if group is None else dist.get_world_size(group)
+    comm = Comm.of(group)
+    world = comm.world_size
     pc.validate("seedvr2", pc.sp_degree)  # the SeedVR2 rejections first, whatever the group
     if pc.sp_degree != world:
         raise ParallelConfigError(
             f"window-aligned SP degree {pc.sp_degree} needs an SP group of {pc.sp_degree} ranks, got {world}")
-    comm = Comm.of(group)
     path, planner = pc.window_path, pc.window_planner
     if path == "auto" and planner:
         path = "window"  # a named planner means Plan A with it

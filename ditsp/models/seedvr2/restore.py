@@ -29,7 +29,8 @@ from dataclasses import asdict
 import torch
 
 from ...config import ParallelConfig
-from ...distributed.comm import Comm, CommStats
+from ...distributed.comm import Comm
+from ...distributed.transport import Transport
 from ...distributed.heartbeat import beat
 from ...fixed_shape import shapes_for
 from ...fixed_shape import use as use_kernel_shapes
@@ -156,10 +157,9 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
     geo = _geometry(req, info.width, info.height)
     window = req.window_frames or padded_length(frames_total)
     plan = plan_windows(frames_total, window, min(req.overlap, window - 1), req.seed)
-    stats = CommStats()
-    vae_comm = Comm.of(group, stats)
+    comm = Comm.of(group)  # the job's one Comm of the group: the VAE, every DiT runtime and the writer's rows
     budget = int(req.budget_gib * GiB) if req.budget_gib else None
-    pvae = ParallelVAE(vae, vae_comm, chunk=req.vae_chunk, budget_bytes=budget)
+    pvae = ParallelVAE(vae, comm, chunk=req.vae_chunk, budget_bytes=budget)
     runtimes: dict = {}
     st = _Stages(device)
     blender = StreamingBlender(plan, out_dtype=torch.float32)
@@ -196,7 +196,7 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
             decoded, dit_report = step(ctx, models, pvae, runtimes, req, st, win.index, xp, mode, g, vae_reports, bar)
             bar.update()
             if not rank0:
-                _all_ok(vae_comm)
+                _all_ok(comm)
                 continue
             content = decoded[0, :, :n].permute(1, 0, 2, 3)  # (T, 3, H, W), padding dropped
             fixed = st.run("color_fix", win.index, apply_color_fix, content, x.permute(1, 0, 2, 3), req.color_fix)
@@ -218,7 +218,7 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
                 else:
                     st.run("write", win.index, writer.write, out)
                 written += out.shape[0]
-            _all_ok(vae_comm)
+            _all_ok(comm)
         if rank0:
             blender.flush()
         if writer is not None:
@@ -229,14 +229,12 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
         raise
     finally:
         bar.close()
-    rt_stats = [rt.comm.stats for rt in runtimes.values()]
-    bytes_sent = stats.bytes_sent + sum(s.bytes_sent for s in rt_stats)
     report = {
         "rank": ctx.rank,
         "stage_s": st.time,
         "stage_peak_bytes": st.peak,
-        "bytes_sent": bytes_sent,
-        "collectives": {**stats.as_dict(), **{k: v for s in rt_stats for k, v in s.as_dict().items()}},
+        "bytes_sent": comm.stats.bytes_sent,
+        "collectives": comm.stats.as_dict(),
     }
     if rank0:
         report.update({
@@ -271,11 +269,11 @@ def _input_times(req: UpscaleRequest, info, frames: int, notes: list[str]) -> li
     return times
 
 
-def _runtime(runtimes: dict, ctx, dit, grid, planner: str | None, deterministic: bool):
+def _runtime(runtimes: dict, comm: Comm, dit, grid, planner: str | None, deterministic: bool):
+    """The DiT's runtime of ``grid`` on the job's Comm (built once per grid)."""
     if grid not in runtimes:
-        group = ctx.group if ctx.world_size > 1 else None
-        pc = ParallelConfig.window(ctx.world_size, window_planner=planner, deterministic=deterministic)
-        runtimes[grid] = parallelize(dit.cfg, pc, grid, group)
+        pc = ParallelConfig.window(comm.world_size, window_planner=planner, deterministic=deterministic)
+        runtimes[grid] = parallelize(dit.cfg, pc, grid, comm)
     return runtimes[grid]
 
 
@@ -294,7 +292,7 @@ def _whole_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, repo
     bar.update()
     noise = make_noise(latent.shape, g, dtype=torch.float32)
     vid = dit_input(noise, latent.float())
-    rt = _runtime(runtimes, ctx, dit, dit.grid_of(vid.shape), req.planner, req.deterministic)
+    rt = _runtime(runtimes, pvae.comm, dit, dit.grid_of(vid.shape), req.planner, req.deterministic)
     v = st.run("dit", index, lambda: dit(vid.to(dit.dtype), models.text, dit_timestep(ctx.device), runtime=rt))
     bar.update()
     z = decoder_latent(one_step_x0(noise, v), dtype=vae.dtype)
@@ -323,7 +321,7 @@ def _sharded_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, re
     noise = make_noise((t, h, w, vae.cfg.latent_channels), g, dtype=torch.float32)[:, h0:h1]
     slabs = RowOwnership.slabs((t, h, w), [layout.rank_rows(r) for r in range(ctx.world_size)], "VAE slabs")
     rows = dit_input(noise, latent.float()).reshape(-1, noise.shape[-1] * 2 + 1)
-    rt = _runtime(runtimes, ctx, dit, dit.grid_of((t, h, w)), req.planner, req.deterministic)
+    rt = _runtime(runtimes, pvae.comm, dit, dit.grid_of((t, h, w)), req.planner, req.deterministic)
     v = st.run("dit", index, lambda: dit(rows.to(dit.dtype), models.text, dit_timestep(ctx.device), runtime=rt,
                                          rows=slabs))
     bar.update()
@@ -334,21 +332,23 @@ def _sharded_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, re
     def decode():
         mine = pvae.decode_slab(z, layout, chunked=mode == "height+chunks", gather=False)  # (1, 3, T, rows, W)
         counts = [b - a for a, b in layout.pixel_rows(vae.cfg.spatial_factor)]
-        return _rows_to_rank0(pvae.comm, mine, counts)
+        return _rows_to_rank0(rt.transport, mine, counts)
 
     decoded = st.run("vae_decode", index, decode)
     reports.add(f"VAE decode mode {mode} (SP={ctx.world_size}, slabs handed from the DiT's windows)")
     return decoded, rt.report(heads=dit.cfg.heads)
 
 
-def _rows_to_rank0(comm: Comm, video: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
-    """Every rank's pixel rows (dim 3) of ``video`` to rank 0 only (an all-to-all whose only target is rank 0)."""
-    if comm.world_size == 1:
+def _rows_to_rank0(link: Transport, video: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+    """Every rank's pixel rows (dim 3) of ``video`` to rank 0 only: an all-to-all whose only target is
+    rank 0, moved by the runtime's transport (agreed once per row counts and shape)."""
+    if link.world_size == 1:
         return video
     rows = video.movedim(3, 0).contiguous()
-    me, n = comm.rank, comm.world_size
-    got = comm.all_to_all_single(rows, [rows.shape[0] if d == 0 else 0 for d in range(n)],
-                                 counts if me == 0 else [0] * n, kind="decode_to_writer")
+    me, n = link.rank, link.world_size
+    key = ("decode_to_writer", tuple(counts), tuple(rows.shape[1:]))
+    got = link.all_to_all(rows, [rows.shape[0] if d == 0 else 0 for d in range(n)],
+                          counts if me == 0 else [0] * n, "decode_to_writer", key=key)
     return got.movedim(0, 3) if me == 0 else None
 
 
