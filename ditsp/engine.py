@@ -26,6 +26,7 @@ from .config import ParallelConfig
 from .distributed.launcher import LocalCluster, RankContext, init_from_env
 from .fixed_shape import shapes_for
 from .memory import PeakMemory
+from .models import resident
 
 from .dtypes import DTYPES  # noqa: F401 - the one table; re-exported for old imports
 
@@ -91,7 +92,6 @@ def build_for(spec: RunSpec, device: torch.device | str = "cpu"):
 class Engine:
     """One rank's model and runtimes, reused by every request this process serves."""
 
-    _cache: dict = {}  # (ModelSpec, device) -> Engine, per process
     MAX_RUNTIMES = 16
 
     def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu"):
@@ -101,12 +101,9 @@ class Engine:
 
     @classmethod
     def get(cls, spec: ModelSpec, device: torch.device | str = "cpu") -> "Engine":
-        """This process's engine for ``spec`` (built on first use; one model per spec kept)."""
-        key = (spec, str(device))
-        if key not in cls._cache:
-            cls._cache.clear()  # one model per rank: drop the old one before building the next
-            cls._cache[key] = cls(spec, device)
-        return cls._cache[key]
+        """This process's engine for ``spec`` (built on first use; held in the process's one model cache,
+        :mod:`ditsp.models.resident`, which keeps one model per rank)."""
+        return resident.get(("engine", spec, str(device)), lambda: cls(spec, device))
 
     def runtime(self, grid, sp: int, group, path: str = "auto", planner: str | None = None,
                 deterministic: bool = True):

@@ -16,6 +16,7 @@ import torch
 
 from ...dtypes import DTYPES
 from ...weights.load import quantize_
+from .. import resident
 from .nadit.config import PRESETS as DIT_PRESETS
 from .nadit.model import build_model
 from .vae import VideoVAE, load_checkpoint
@@ -57,16 +58,16 @@ class SeedVR2:
     text: torch.Tensor
 
 
-_CACHE: dict = {}
+def _key(spec: WeightsSpec, device) -> tuple:
+    return ("seedvr2", spec, str(device))
 
 
 def load(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2:
-    """The pieces of ``spec`` for this process (built on first use; one set kept)."""
+    """The pieces of ``spec`` for this process (built on first use; the process's one model cache)."""
+    return resident.get(_key(spec, device), lambda: _build(spec, device))
 
-    key = (spec, str(device))
-    if key in _CACHE:
-        return _CACHE[key]
-    _CACHE.clear()
+
+def _build(spec: WeightsSpec, device) -> SeedVR2:
     dtype = DTYPES[spec.dtype]
     dit = build_model(spec.model, checkpoint=spec.dit, seed=spec.seed, dtype=dtype, device=device,
                       weights_dtype=spec.weights_dtype)
@@ -85,8 +86,7 @@ def load(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2:
         text = load_text_embedding(spec.text_embedding, cfg.txt_in_dim)
     else:
         text = torch.randn(cfg.txt_len, cfg.txt_in_dim, generator=torch.Generator().manual_seed(spec.seed + 11))
-    _CACHE[key] = SeedVR2(spec, dit, vae, text.to(device))
-    return _CACHE[key]
+    return SeedVR2(spec, dit, vae, text.to(device))
 
 
 def _load_vae(vae, path: str, dtype: torch.dtype = torch.float32, weights_dtype: str | None = None) -> None:
@@ -105,10 +105,9 @@ def _load_vae(vae, path: str, dtype: torch.dtype = torch.float32, weights_dtype:
 
 def cached(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2 | None:
     """The pieces of ``spec`` if this process holds them already, else None (nothing is loaded)."""
-    return _CACHE.get((spec, str(device)))
+    return resident.peek(_key(spec, device))
 
 
 def install(models: SeedVR2, device: torch.device | str = "cpu") -> None:
     """Make ``models`` (weights received in memory, e.g. from a peer rank) what :func:`load` returns."""
-    _CACHE.clear()
-    _CACHE[(models.spec, str(device))] = models
+    resident.put(_key(models.spec, device), models)
