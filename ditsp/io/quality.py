@@ -77,7 +77,7 @@ def format_report(q: dict) -> str:
 
 def read_frames(path: str) -> np.ndarray:
     """Every frame of a video, image or frame folder as (T, H, W, 3) uint8."""
-    from .video import open_media
+    from .probe import open_media
 
     _, chunks = open_media(path)
     frames = torch.cat([c if c.dim() == 4 else c[None] for c in chunks])  # (T, 3, H, W)

@@ -183,7 +183,7 @@ def share_weights(spec, comm: Comm) -> dict:
 
 def request_grids(req) -> list[tuple[int, int, int]]:
     """The DiT grids a request's windows use (for warming the plan cache at a new degree)."""
-    from ..io.video import count_frames, probe
+    from ..io.probe import count_frames, probe
     from ..models.seedvr2.pipeline import frame_geometry, plan_windows
     from ..models.seedvr2.pipeline.padding import padded_length
 
@@ -231,7 +231,7 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
     tqdm.tqdm = _Progress  # rank_upscale's progress bar reports to the server instead of a terminal
     _Progress.shared = progress
     # import what a job needs now, so neither a job nor a joining rank pays for it later
-    from ..io import video  # noqa: F401
+    from ..io import probe, read, write  # noqa: F401
     from ..models.seedvr2 import parallelize, restore  # noqa: F401
     from ..models.seedvr2.vae import sharded  # noqa: F401
 

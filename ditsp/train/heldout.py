@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--overwrite", action="store_true")
     a = ap.parse_args(argv)
-    from ..io.video import write_image, write_video
+    from ..io.write import write_image, write_video
     from .data import held_out_clip, to_u8
 
     w, h = (int(v) for v in a.size.lower().split("x"))

@@ -170,7 +170,7 @@ def rank_generate(ctx, req: GenerateRequest) -> dict:
     decode_s = time.perf_counter() - t0
     written = None
     if req.output:
-        from ...io.video import write_image, write_video
+        from ...io.write import write_image, write_video
 
         if frames.shape[0] == 1 and Path(req.output).suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"):
             written = str(write_image(req.output, frames[0], overwrite=req.overwrite))

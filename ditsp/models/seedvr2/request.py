@@ -164,7 +164,7 @@ class Checked:
     """A request that passed every check, with what the checks learnt about its input."""
 
     req: UpscaleRequest
-    info: object  # ditsp.io.video.VideoInfo
+    info: object  # ditsp.io.media.VideoInfo
     frames: int
     geo: object  # pipeline.sizing.FrameGeometry
     window: int  # frames of the largest temporal window
@@ -187,7 +187,8 @@ def _choice(flag: str, value, allowed) -> None:
 def check(o: Options) -> Checked:
     """Everything that can be checked before ranks start; ValueError with a one-line message."""
     # the input's probe opens PyAV; kept local so a front door that only lists values does not load codecs
-    from ...io.video import MediaError, count_frames, probe
+    from ...io.media import MediaError
+    from ...io.probe import count_frames, probe
     from .pipeline.padding import padded_length
     from .pipeline.sizing import frame_geometry
     from .pipeline.windows import check_window

@@ -141,7 +141,8 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
 def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
     from tqdm import tqdm
 
-    from ...io.video import VideoWriter, open_media, write_image
+    from ...io.probe import open_media
+    from ...io.write import VideoWriter, write_image
     from .vae.sharded import ParallelVAE
 
     group = ctx.group if ctx.world_size > 1 else None
@@ -151,7 +152,7 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
     info, chunks = open_media(req.input)
     frames_total = info.frames
     if frames_total is None:
-        from ...io.video import count_frames
+        from ...io.probe import count_frames
 
         frames_total = count_frames(req.input)
     geo = _geometry(req, info.width, info.height)
@@ -253,7 +254,7 @@ def _input_times(req: UpscaleRequest, info, frames: int, notes: list[str]) -> li
     """The input's frame times when its frame rate varies (kept in the output), else None; says which."""
     if info.kind != "video":
         return None
-    from ...io.video import frame_times
+    from ...io.probe import frame_times
 
     times = frame_times(req.input, info.rate)
     if times is None:
