@@ -30,7 +30,7 @@ COLLECTIVES = {
     "batch_isend_irecv",
 }
 # Benchmarks that time torch's own primitives against ditsp's (a baseline is torch.distributed by definition).
-COLLECTIVE_BASELINES = {"ditsp.bench.attention", "ditsp.bench.diffusers"}
+COLLECTIVE_BASELINES = {"ditsp.bench.attention", "ditsp.bench.attention_baselines", "ditsp.bench.diffusers"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
