@@ -29,6 +29,10 @@ from .memory import PeakMemory
 from .models import resident
 
 from .dtypes import DTYPES  # noqa: F401 - the one table; re-exported for old imports
+from .models.seedvr2.nadit.model import build_model
+from .models.seedvr2.nadit.model import random_inputs
+from .windows.ownership import RowOwnership
+from .models.seedvr2.parallelize import parallelize
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,6 @@ class RunSpec:
 
 def _model_of(spec: ModelSpec, device: torch.device | str = "cpu"):
     """The model of ``spec``, identical on every rank (a checkpoint, or seeded weights)."""
-    from .models.seedvr2.nadit.model import build_model
 
     return build_model(spec.model, spec.layers, spec.checkpoint, seed=spec.seed, dtype=DTYPES[spec.dtype],
                        device=device, weights_dtype=spec.weights_dtype)
@@ -82,7 +85,6 @@ def _model_of(spec: ModelSpec, device: torch.device | str = "cpu"):
 
 def build_for(spec: RunSpec, device: torch.device | str = "cpu"):
     """Model and seeded inputs of a run spec, identical on every rank."""
-    from .models.seedvr2.nadit.model import random_inputs
 
     model = Engine.get(spec.model_spec, device).model
     vid, txt = random_inputs(model.cfg, spec.grid, seed=spec.seed + 1)
@@ -108,7 +110,6 @@ class Engine:
     def runtime(self, grid, sp: int, group, path: str = "auto", planner: str | None = None,
                 deterministic: bool = True):
         """The SP runtime of a request (cached by grid, path, planner, kernel-shape policy and group)."""
-        from .models.seedvr2.parallelize import parallelize
 
         key = (tuple(grid), sp, path, planner, deterministic, id(group))
         if key not in self._runtimes:
@@ -143,7 +144,6 @@ def dispatch(fn: Callable, *args, sp: int, threads: int = 1, timeout_s: float = 
 
 def input_rows(spec: RunSpec, patch) -> "RowOwnership":
     """The contiguous shards of latent pixel rows ``feed="rows"`` gives the ranks (as even as possible)."""
-    from .windows.ownership import RowOwnership
 
     fine = tuple(g * p for g, p in zip(spec.grid, patch))
     n = fine[0] * fine[1] * fine[2]

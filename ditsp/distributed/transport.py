@@ -55,6 +55,7 @@ from typing import Hashable, Sequence
 import torch
 
 from .comm import Comm
+import numpy as np
 
 POLICIES = ("off", "auto", "chunked")
 LONG_TRAINING = ("auto", "chunked")
@@ -473,7 +474,6 @@ def as_settings(settings=None) -> TransportSettings:
 
 def matrix_key(counts) -> bytes:
     """A key for a global count matrix (every rank holds the same one)."""
-    import numpy as np
 
     a = np.ascontiguousarray(counts, dtype=np.int64)
     return hashlib.sha1(a.tobytes() + str(a.shape).encode()).digest()

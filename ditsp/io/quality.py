@@ -14,6 +14,9 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from .probe import open_media
+import os
+import tempfile
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -77,7 +80,6 @@ def format_report(q: dict) -> str:
 
 def read_frames(path: str) -> np.ndarray:
     """Every frame of a video, image or frame folder as (T, H, W, 3) uint8."""
-    from .probe import open_media
 
     _, chunks = open_media(path)
     frames = torch.cat([c if c.dim() == 4 else c[None] for c in chunks])  # (T, 3, H, W)
@@ -109,8 +111,6 @@ def plot_compare(source: np.ndarray, restored: np.ndarray, reference: np.ndarray
             if i == 0:
                 ax.set_title(f"frame {k}", fontsize=8)
     fig.tight_layout()
-    import os
-    import tempfile
 
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".quality.", suffix=".png", dir=folder)  # written whole, then renamed

@@ -32,6 +32,10 @@ from ..models.seedvr2.vae.model import VideoVAE
 from . import checkpoint as ckpt
 from .data import ClipPairs
 from .objective import OBJECTIVES, check_vae_training, dit_loss, vae_loss
+from ..models.seedvr2.weights import MODELS, seeded_vae
+from ..models.seedvr2.vae.checkpoint import load_checkpoint as load_vae
+import math
+from dataclasses import replace
 
 
 @dataclass
@@ -84,8 +88,6 @@ def text_embedding(model: NaDiT, seed: int = 0) -> torch.Tensor:
 
 def build(cfg: TrainConfig):
     """(dit, vae, the trainable modules by name, their parameters) of ``cfg``, fp32."""
-    from ..models.seedvr2.weights import MODELS, seeded_vae
-    from ..models.seedvr2.vae.checkpoint import load_checkpoint as load_vae
 
     dit = build_model(cfg.model, checkpoint=cfg.dit, seed=0)
     vae_cfg = VAE_PRESETS[MODELS[cfg.model]]
@@ -110,7 +112,6 @@ def build(cfg: TrainConfig):
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
     """Linear warm-up, then cosine decay to 10% over the run."""
-    import math
 
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -256,7 +257,6 @@ def rank_check(ctx, cfg: TrainConfig) -> dict:
 
 def check(cfg: TrainConfig, sp_results: dict) -> dict:
     """One step on this device vs ``sp_results`` (rank 0's :func:`rank_check`): max gradient difference."""
-    from dataclasses import replace
 
     one = Trainer(replace(cfg, sp=1))
     loss = one.gradients(0)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .formats import GGUF_ORIG_SHAPE
+from .ggml import block, qtype
 
 QK_K = 256
 
@@ -78,7 +79,6 @@ def encode(a: np.ndarray, fmt: str) -> np.ndarray:
     """Rows ``a`` (..., n) float32 as GGUF type ``fmt`` blocks (uint8 (..., bytes))."""
     import gguf
 
-    from .ggml import block, qtype
 
     per, size = block(fmt)
     if a.shape[-1] % per:
@@ -118,7 +118,6 @@ def write_gguf(path: str | os.PathLike, tensors: Iterable[tuple[str, "torch.Tens
     one tensor in memory at a time (a :class:`Lazy` tensor is made when it is written)."""
     import gguf
 
-    from .ggml import block, qtype
 
     items = list(tensors)
     path = os.fspath(path)

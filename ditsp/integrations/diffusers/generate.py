@@ -27,6 +27,8 @@ import torch
 
 from ...config import ParallelConfig
 from .hooks import ParallelizeError
+from .cfg import cfg_forward
+from .parallelize import parallelize
 
 PIPELINES = ("WanPipeline",)  # the pipeline classes this job runs
 
@@ -122,8 +124,6 @@ def rank_generate(ctx, req: GenerateRequest) -> dict:
     """One rank's share of a generation; rank 0 decodes, writes and returns the report."""
     from tqdm import tqdm
 
-    from .cfg import cfg_forward
-    from .parallelize import parallelize
 
     index = pipeline_index(req.folder)
     cond, neg = load_embeds(req.embeds, req.guidance)

@@ -32,6 +32,8 @@ from ...distributed.transport import TransportSettings
 from ...fixed_shape import shapes_for
 from ...sp import SPRuntime, UlyssesWindowRuntime, WindowRuntime
 from .nadit.config import NaDiTConfig
+from ...sp.halo_slab import HaloSlabRuntime
+from ...sp.choice import ChosenRuntime, Link, choose, split_path
 
 PATHS = ("window", "ulysses", "halo", "auto")
 
@@ -72,14 +74,12 @@ def _build(path: str, cfg: NaDiTConfig, grid: Sequence[int], comm: Comm, planner
     if path == "ulysses":
         return UlyssesWindowRuntime(grid, cfg.window_methods, cfg.heads, comm, cfg.num_windows, torch.float64,
                                     a2a)
-    from ...sp.halo_slab import HaloSlabRuntime
 
     return HaloSlabRuntime(grid, cfg.window_methods, comm, cfg.num_windows, torch.float64, transport=a2a)
 
 
 def _auto(cfg: NaDiTConfig, grid: Sequence[int], comm: Comm, a2a: TransportSettings) -> SPRuntime:
     """The cost model's cheapest path, checked to be the same on every rank, then built."""
-    from ...sp.choice import ChosenRuntime, Link, choose, split_path
 
     link = Link.load()
     choice = choose(cfg, grid, comm.world_size, link)

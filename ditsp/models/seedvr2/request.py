@@ -27,6 +27,10 @@ from .vae.modes import AUTO
 from .vae.modes import CHOICES as VAE_MODES
 from .presets import OFFERED as MODELS
 from .presets import default_dtype
+from .sizing import parse_resolution
+from ...weights import FormatError
+from .budget import GiB, available_bytes, estimate, suggestions
+from .weight_memory import dit_weights
 
 __all__ = ["COLOR_FIXES", "DTYPE_NAMES", "HTTP_OPTIONS", "MODELS", "OUTPUT_FORMATS", "PLANNERS", "VAE_MODES",
            "WEIGHTS_DTYPES", "Checked", "Options", "UpscaleRequest", "check", "check_memory", "from_args",
@@ -171,8 +175,6 @@ class Checked:
 
 
 def _wxh(text: str, what: str) -> tuple[int, int]:
-    from .sizing import parse_resolution
-
     try:
         return parse_resolution(text)
     except ValueError as e:
@@ -272,9 +274,6 @@ def check(o: Options) -> Checked:
 
 def check_memory(c: Checked, o: Options) -> str:
     """The estimate's line; raises MemoryError naming what would fit when it does not."""
-    from ...weights import FormatError
-    from .budget import GiB, available_bytes, estimate, suggestions
-    from .weight_memory import dit_weights
 
     req, geo, window = c.req, c.geo, c.window
     local = 1 if "WORLD_SIZE" in os.environ else req.sp

@@ -59,6 +59,10 @@ from .vae.modes import AUTO, SLAB_MODES
 from .weights import load
 
 from .restore_report import STAGES, format_report, plot_report, summarize  # noqa: F401 - re-exported
+from ...io.probe import open_media
+from ...io.write import VideoWriter, write_image
+from .vae.sharded import ParallelVAE
+from ...io.probe import frame_times
 GiB = 2**30
 DEFAULT_FPS = 24
 
@@ -141,9 +145,6 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
 def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
     from tqdm import tqdm
 
-    from ...io.probe import open_media
-    from ...io.write import VideoWriter, write_image
-    from .vae.sharded import ParallelVAE
 
     group = ctx.group if ctx.world_size > 1 else None
     device = ctx.device
@@ -254,7 +255,6 @@ def _input_times(req: UpscaleRequest, info, frames: int, notes: list[str]) -> li
     """The input's frame times when its frame rate varies (kept in the output), else None; says which."""
     if info.kind != "video":
         return None
-    from ...io.probe import frame_times
 
     times = frame_times(req.input, info.rate)
     if times is None:

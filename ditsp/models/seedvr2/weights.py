@@ -24,6 +24,10 @@ from .vae.fixtures import seeded_vae
 from .vae.config import PRESETS as VAE_PRESETS
 
 from .presets import MODELS, OFFERED, default_dtype  # noqa: F401 - re-exported
+from ...weights import error_line
+from .nadit.checkpoint import CheckpointError
+from .vae import CheckpointError as VAECheckpointError
+from ...weights.fp8 import canonical
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,6 @@ class WeightsSpec:
     weights_dtype: str | None = None  # "fp8"/"fp8_e5m2": quantize float weights at load (ditsp/weights)
 
     def __post_init__(self):
-        from ...weights.fp8 import canonical
-
         canonical(self.weights_dtype)  # an unknown name raises here, before any rank loads
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(sorted(MODELS))}")
@@ -91,9 +93,6 @@ def _build(spec: WeightsSpec, device) -> SeedVR2:
 
 def _load_vae(vae, path: str, dtype: torch.dtype = torch.float32, weights_dtype: str | None = None) -> None:
     """The VAE checkpoint into ``vae``; an unreadable file is one line (never torch's advice to load unsafely)."""
-    from ...weights import error_line
-    from .nadit.checkpoint import CheckpointError
-    from .vae import CheckpointError as VAECheckpointError
 
     try:
         load_checkpoint(vae, path, dtype=dtype, weights_dtype=weights_dtype)

@@ -33,6 +33,9 @@ from .blocks_7b import NaMMSRBlock7B
 from .config import NaDiTConfig
 from .heads import NormAdaHead, OutAda, PlainHead, RMSNormWeight  # noqa: F401 - OutAda/RMSNormWeight re-exported
 from .tokenwise import TokenLinear
+from ....weights.load import quantize_
+from .checkpoint import load_checkpoint
+from .config import get_config
 
 # variant -> (block class, output head)
 FAMILIES = {"3b": (NaMMSRBlock, NormAdaHead), "7b": (NaMMSRBlock7B, PlainHead)}
@@ -123,7 +126,7 @@ class NaDiT(nn.Module):
 
     def single_runtime(self, grid: Sequence[int], planner: str = "lpt") -> WindowRuntime:
         """The one-rank runtime: the single-device forward (the same runtime SP builds, on one rank)."""
-        from ..parallelize import parallelize
+        from ..parallelize import parallelize  # local: a genuine cycle (parallelize imports this package)
 
         return parallelize(self.cfg, ParallelConfig(window_planner=planner), grid)
 
@@ -212,9 +215,6 @@ def build_model(cfg: NaDiTConfig | str, num_layers: int | None = None, checkpoin
 
     ``weights_dtype`` ("fp8", "fp8_e5m2"; None keeps the file's formats) quantizes the weight
     matrices at load; FP8/GGUF checkpoints stay quantized either way (``ditsp/weights``)."""
-    from ....weights.load import quantize_
-    from .checkpoint import load_checkpoint
-    from .config import get_config
 
     cfg = get_config(cfg, num_layers) if isinstance(cfg, str) else (cfg.with_layers(num_layers) if num_layers else cfg)
     if checkpoint:

@@ -9,11 +9,15 @@ from typing import Sequence
 import torch
 
 from .vectors import ClusterFactory, REL_TOL, VectorSetError, _digest, read_config, rel_err
+from ..nadit.config import NaDiTConfig
+from ..nadit import NaDiT, load_checkpoint
+from ....config import ParallelConfig
+from ..parallelize import parallelize
+from ....distributed.launcher import LocalCluster
 
 
 def nadit_config(config: dict, name: str = "vectors"):
     """The :class:`~.nadit.NaDiTConfig` a NaDiT vector set's ``config.json`` describes (3B or 7B family)."""
-    from ..nadit.config import NaDiTConfig
 
     c = config
     try:
@@ -50,7 +54,6 @@ def nadit_config(config: dict, name: str = "vectors"):
 def _load_nadit(directory: str):
     from safetensors.torch import load_file
 
-    from ..nadit import NaDiT, load_checkpoint
 
     cfg = nadit_config(read_config(directory), Path(directory).name)
     model = NaDiT(cfg).eval()
@@ -65,8 +68,6 @@ def _load_nadit(directory: str):
 @torch.no_grad()
 def _nadit_rank(ctx, directory: str, planner: str) -> tuple[float, str, str]:
     """One rank of a window-SP run: (relative error, output digest, runtime report)."""
-    from ....config import ParallelConfig
-    from ..parallelize import parallelize
 
     cfg, model, io = _load_nadit(directory)
     rt = parallelize(cfg, ParallelConfig.window(ctx.world_size, window_planner=planner, window_path="window"),
@@ -79,7 +80,6 @@ def _nadit_rank(ctx, directory: str, planner: str) -> tuple[float, str, str]:
 def check_nadit(directory: str | os.PathLike, degrees: Sequence[int] = (1, 2, 3),
                 cluster_factory: ClusterFactory | None = None, planner: str = "lpt") -> dict:
     """Run a NaDiT vector set on one device and under window-aligned SP at each of ``degrees``."""
-    from ....distributed.launcher import LocalCluster
 
     directory = os.fspath(directory)
     cfg, model, io = _load_nadit(directory)

@@ -10,6 +10,10 @@ from typing import Sequence
 import torch
 
 from .vectors import ClusterFactory, VectorSetError, read_config, rel_err
+from ..pipeline import color_fix as cf
+from ..pipeline import condition as cond
+from ..pipeline.padding import reference_pad
+from ..pipeline.transform import area_resize, to_uint8, to_uint8_values, transform_frames
 
 
 def check_pipeline(directory: str | os.PathLike, degrees: Sequence[int] = (1,),
@@ -21,10 +25,6 @@ def check_pipeline(directory: str | os.PathLike, degrees: Sequence[int] = (1,),
     that differs counts as infinity), so the bar is 1."""
     from safetensors.torch import load_file
 
-    from ..pipeline import color_fix as cf
-    from ..pipeline import condition as cond
-    from ..pipeline.padding import reference_pad
-    from ..pipeline.transform import area_resize, to_uint8, to_uint8_values, transform_frames
 
     directory = os.fspath(directory)
     config = read_config(directory)

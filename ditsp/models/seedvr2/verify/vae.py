@@ -9,15 +9,18 @@ from typing import Sequence
 import torch
 
 from .vectors import ClusterFactory, REL_TOL, VectorSetError, _digest, read_config, rel_err
+from ..vae.checkpoint import load_checkpoint
+from ..vae.config import VaeConfig
+from ..vae.fixtures import seeded_vae
+from ....distributed.comm import Comm
+from ..vae.sharded import ParallelVAE
+from ....distributed.launcher import LocalCluster
 
 
 def _load_vae(directory: str):
     """(model, io) of a VAE vector set; weights rebuilt by the seeded recipe when the set ships none."""
     from safetensors.torch import load_file
 
-    from ..vae.checkpoint import load_checkpoint
-    from ..vae.config import VaeConfig
-    from ..vae.fixtures import seeded_vae
 
     cfg_json = read_config(directory)
     try:
@@ -57,8 +60,6 @@ def _vae_one_device(vae, io, chunk) -> dict:
 @torch.no_grad()
 def _vae_rank(ctx, directory: str) -> list:
     """One rank: (mode, worst relative error, digest, report) of every sharded mode."""
-    from ....distributed.comm import Comm
-    from ..vae.sharded import ParallelVAE
 
     torch.set_num_threads(1)
     vae, io = _load_vae(directory)
@@ -78,7 +79,6 @@ def check_vae(directory: str | os.PathLike, degrees: Sequence[int] = (1, 2, 3),
     """Check a VAE vector set: one device (plain and chunked: posterior mean/logvar, pipeline latent,
     decoded, decoded from the mean), and at each SP degree > 1 the sharded modes (time, height,
     height+chunks; every rank must return the same bytes)."""
-    from ....distributed.launcher import LocalCluster
 
     directory = os.fspath(directory)
     vae, io = _load_vae(directory)
