@@ -20,13 +20,13 @@ import tempfile
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    from skimage.metrics import peak_signal_noise_ratio
+    from skimage.metrics import peak_signal_noise_ratio  # local: a heavy optional package, loaded only when this runs
 
     return float(peak_signal_noise_ratio(b, a, data_range=255))
 
 
 def ssim(a: np.ndarray, b: np.ndarray) -> float:
-    from skimage.metrics import structural_similarity
+    from skimage.metrics import structural_similarity  # local: a heavy optional package, loaded only when this runs
 
     return float(structural_similarity(b, a, data_range=255, channel_axis=-1))
 
@@ -89,10 +89,10 @@ def read_frames(path: str) -> np.ndarray:
 def plot_compare(source: np.ndarray, restored: np.ndarray, reference: np.ndarray, path: str, q: dict,
                  columns: int = 4) -> None:
     """Rows: the input (bicubic to the output size), the restored frames, the clean original."""
-    import matplotlib
+    import matplotlib  # local: a heavy optional package, loaded only when this runs
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # local: a heavy optional package, loaded only when this runs
 
     t = restored.shape[0]
     idx = sorted({int(round(i * (t - 1) / max(1, columns - 1))) for i in range(columns)})

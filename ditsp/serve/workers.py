@@ -226,7 +226,7 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
     if ifname:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
     torch.set_num_threads(threads)
-    import tqdm
+    import tqdm  # local: imported in the worker process only, which swaps in its progress reporter
 
     tqdm.tqdm = _Progress  # rank_upscale's progress bar reports to the server instead of a terminal
     _Progress.shared = progress

@@ -192,6 +192,7 @@ class Trainer:
             self.restore()
         bar = None
         if cfg.progress and self.rank0:
+            # local: read when the job runs (serve/workers.py swaps in its progress reporter first)
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {cfg.objective}", file=sys.stderr,
@@ -224,10 +225,10 @@ class Trainer:
 
 
 def plot_losses(losses: list[float], path: Path, title: str) -> None:
-    import matplotlib
+    import matplotlib  # local: a heavy optional package, loaded only when this runs
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # local: a heavy optional package, loaded only when this runs
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(range(1, len(losses) + 1), losses, lw=0.8, alpha=0.5, label="step")

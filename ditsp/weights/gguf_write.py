@@ -77,7 +77,7 @@ _OWN = {"Q4_K": _encode_q4_k, "Q6_K": _encode_q6_k}
 
 def encode(a: np.ndarray, fmt: str) -> np.ndarray:
     """Rows ``a`` (..., n) float32 as GGUF type ``fmt`` blocks (uint8 (..., bytes))."""
-    import gguf
+    import gguf  # local: a heavy optional package, loaded only when this runs
 
 
     per, size = block(fmt)
@@ -116,7 +116,7 @@ def write_gguf(path: str | os.PathLike, tensors: Iterable[tuple[str, "torch.Tens
                prefix: str = "model.diffusion_model.", arch: str = "seedvr2") -> str:
     """Write ``(name, tensor, fmt)`` triples (fmt "F32"/"F16"/"BF16" or a quantized type) atomically,
     one tensor in memory at a time (a :class:`Lazy` tensor is made when it is written)."""
-    import gguf
+    import gguf  # local: a heavy optional package, loaded only when this runs
 
 
     items = list(tensors)

@@ -83,7 +83,7 @@ def load_embeds(path: str | Path, guidance: float) -> tuple[torch.Tensor, torch.
 
 
 def _component(folder: str, index: dict, part: str):
-    import diffusers
+    import diffusers  # local: a heavy optional package, loaded only when this runs
 
     lib, cls = index[part]
     if lib != "diffusers" or not hasattr(diffusers, cls):
@@ -92,7 +92,7 @@ def _component(folder: str, index: dict, part: str):
 
 
 def _config(folder: str, index: dict, part: str) -> dict:
-    import diffusers
+    import diffusers  # local: a heavy optional package, loaded only when this runs
 
     lib, cls = index[part]
     if lib != "diffusers" or not hasattr(diffusers, cls):
@@ -122,7 +122,7 @@ def to_uint8(video: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def rank_generate(ctx, req: GenerateRequest) -> dict:
     """One rank's share of a generation; rank 0 decodes, writes and returns the report."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # local: read when the job runs (serve/workers.py swaps in its progress reporter first)
 
 
     index = pipeline_index(req.folder)

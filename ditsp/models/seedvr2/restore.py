@@ -143,7 +143,7 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
 
 
 def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
-    from tqdm import tqdm
+    from tqdm import tqdm  # local: read when the job runs (serve/workers.py swaps in its progress reporter first)
 
 
     group = ctx.group if ctx.world_size > 1 else None
