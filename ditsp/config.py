@@ -35,18 +35,25 @@ class ParallelConfig:
       stacked all-to-all (1 call) instead of one each (3 calls, the default: a send
       stage of one tensor at a time, the lower peak); same results, same bytes
       (see ditsp.attention.ulysses).
-    - ``window_planner``: window planner for window-aligned SP.
+    - ``window_planner``: the window planner of window-aligned SP (Plan A); ``None``: ``lpt``, or under
+      ``window_path="auto"`` whichever planner the cost model picks. A named planner under ``auto``
+      means Plan A with it.
     - ``window_path``: the SP runtime of a window model: ``window`` (Plan A,
       planner above), ``halo`` (Plan B), ``ulysses`` (baseline) or ``auto``
       (the cheapest by :mod:`ditsp.sp.choice`'s cost model, agreed by every rank).
-    - ``ulysses_a2a``: all-to-all transport policy of Ulysses and window exchanges
-      (:mod:`ditsp.distributed.transport`): ``off`` (one all-to-all), ``chunked`` (staging
-      bounded by the capacity) or ``auto``; ``None`` reads ``DITSP_ULYSSES_A2A`` (default ``auto``).
-    - ``ulysses_a2a_long_training``: ``auto`` keeps grad-tracked operands above the
+    - ``a2a_policy``: the transport policy of every all-to-all (Ulysses codec, window and halo
+      exchanges, handoffs; :mod:`ditsp.distributed.transport`): ``off`` (one all-to-all), ``chunked``
+      (staging bounded by the capacity) or ``auto``; ``None`` reads ``DITSP_A2A_POLICY`` (default ``auto``).
+    - ``a2a_long_training``: ``auto`` keeps grad-tracked operands above the
       per-plane threshold on the original transport; ``chunked`` opts them in; ``None``
-      reads ``DITSP_ULYSSES_A2A_LONG_TRAINING`` (default ``auto``).
+      reads ``DITSP_A2A_LONG_TRAINING`` (default ``auto``).
     - ``a2a_capacity_bytes``: per-rank transport staging capacity; ``None`` reads
       ``DITSP_A2A_CAPACITY_BYTES`` (default 1 GiB).
+
+    The ``a2a_*`` fields were ``ulysses_a2a`` / ``ulysses_a2a_long_training`` (environment
+    ``DITSP_ULYSSES_A2A*``) before they named the policy of every all-to-all; the vllm-omni-compatible
+    fields are ``ulysses_degree``, ``ring_degree``, ``use_allgather``, ``advanced_uaa`` and the Ulysses
+    codec's own ``ulysses_a2a_stacked`` (Q/K/V in one all-to-all), which keep their names.
     - ``deterministic``: every kernel call on the SP path gets a shape that does not
       depend on the SP degree or the plan (:mod:`ditsp.fixed_shape`), so the output
       equals one device's bit for bit on any CPU; ``False`` (the default,
@@ -61,10 +68,10 @@ class ParallelConfig:
     use_allgather: bool = False
     advanced_uaa: bool = False
     ulysses_a2a_stacked: bool = False
-    window_planner: str = "lpt"
+    window_planner: str | None = None
     window_path: str = "auto"
-    ulysses_a2a: str | None = None
-    ulysses_a2a_long_training: str | None = None
+    a2a_policy: str | None = None
+    a2a_long_training: str | None = None
     a2a_capacity_bytes: int | None = None
     deterministic: bool = DEFAULT_DETERMINISTIC
     cfg_degree: int = 1
@@ -76,8 +83,8 @@ class ParallelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ParallelConfigError(f"{name} must be a positive integer, got {v!r}")
-        for name, valid in (("ulysses_a2a", ("off", "auto", "chunked")),
-                            ("ulysses_a2a_long_training", ("auto", "chunked"))):
+        for name, valid in (("a2a_policy", ("off", "auto", "chunked")),
+                            ("a2a_long_training", ("auto", "chunked"))):
             v = getattr(self, name)
             if v is not None and v not in valid:
                 raise ParallelConfigError(f"{name} must be one of {', '.join(valid)} (or None), got {v!r}")

@@ -26,8 +26,13 @@ from .config import ParallelConfig
 from .distributed.launcher import LocalCluster, RankContext, init_from_env
 from .fixed_shape import DEFAULT_DETERMINISTIC, shapes_for
 from .memory import PeakMemory
+from .models import resident
 
 from .dtypes import DTYPES  # noqa: F401 - the one table; re-exported for old imports
+from .models.seedvr2.nadit.model import build_model
+from .models.seedvr2.nadit.model import random_inputs
+from .windows.ownership import RowOwnership
+from .models.seedvr2.parallelize import parallelize
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,6 @@ class RunSpec:
 
 def _model_of(spec: ModelSpec, device: torch.device | str = "cpu"):
     """The model of ``spec``, identical on every rank (a checkpoint, or seeded weights)."""
-    from .models.seedvr2.nadit.model import build_model
 
     from .weights.offload import offload_blocks
 
@@ -88,7 +92,6 @@ def _model_of(spec: ModelSpec, device: torch.device | str = "cpu"):
 
 def build_for(spec: RunSpec, device: torch.device | str = "cpu"):
     """Model and seeded inputs of a run spec, identical on every rank."""
-    from .models.seedvr2.nadit.model import random_inputs
 
     model = Engine.get(spec.model_spec, device).model
     vid, txt = random_inputs(model.cfg, spec.grid, seed=spec.seed + 1)
@@ -98,7 +101,6 @@ def build_for(spec: RunSpec, device: torch.device | str = "cpu"):
 class Engine:
     """One rank's model and runtimes, reused by every request this process serves."""
 
-    _cache: dict = {}  # (ModelSpec, device) -> Engine, per process
     MAX_RUNTIMES = 16
 
     def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu"):
@@ -108,24 +110,20 @@ class Engine:
 
     @classmethod
     def get(cls, spec: ModelSpec, device: torch.device | str = "cpu") -> "Engine":
-        """This process's engine for ``spec`` (built on first use; one model per spec kept)."""
-        key = (spec, str(device))
-        if key not in cls._cache:
-            cls._cache.clear()  # one model per rank: drop the old one before building the next
-            cls._cache[key] = cls(spec, device)
-        return cls._cache[key]
+        """This process's engine for ``spec`` (built on first use; held in the process's one model cache,
+        :mod:`ditsp.models.resident`, which keeps one model per rank)."""
+        return resident.get(("engine", spec, str(device)), lambda: cls(spec, device))
 
     def runtime(self, grid, sp: int, group, path: str = "auto", planner: str | None = None,
                 deterministic: bool = DEFAULT_DETERMINISTIC):
         """The SP runtime of a request (cached by grid, path, planner, kernel-shape policy and group)."""
-        from .models.seedvr2.parallelize import parallelize
 
         key = (tuple(grid), sp, path, planner, deterministic, id(group))
         if key not in self._runtimes:
             if len(self._runtimes) >= self.MAX_RUNTIMES:
                 self._runtimes.pop(next(iter(self._runtimes)))
-            pc = ParallelConfig.window(sp, window_planner=planner or "lpt", deterministic=deterministic)
-            self._runtimes[key] = parallelize(self.model.cfg, pc, grid, group, planner, path)
+            pc = ParallelConfig.window(sp, window_planner=planner, window_path=path, deterministic=deterministic)
+            self._runtimes[key] = parallelize(self.model.cfg, pc, grid, group)
         return self._runtimes[key]
 
 
@@ -153,7 +151,6 @@ def dispatch(fn: Callable, *args, sp: int, threads: int = 1, timeout_s: float = 
 
 def input_rows(spec: RunSpec, patch) -> "RowOwnership":
     """The contiguous shards of latent pixel rows ``feed="rows"`` gives the ranks (as even as possible)."""
-    from .windows.ownership import RowOwnership
 
     fine = tuple(g * p for g, p in zip(spec.grid, patch))
     n = fine[0] * fine[1] * fine[2]

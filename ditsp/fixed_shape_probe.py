@@ -18,6 +18,10 @@ import torch.nn.functional as F
 from .fixed_shape import DETERMINISTIC, FAST, linear_rows, use
 
 from .dtypes import DTYPES
+from .attention.window import segment_attention
+from .models.seedvr2.vae.layers import conv3d
+from .models.seedvr2.nadit.config import get_config
+from .models.seedvr2.vae import RELEASED, TINY
 ROW_COUNTS = list(range(1, 33)) + [47, 63, 64, 65, 127, 191, 193, 255, 257]
 
 
@@ -56,8 +60,6 @@ def _gemm(k: int, n: int, dtype: torch.dtype, g: torch.Generator) -> dict:
 
 
 def _attention(heads: int, head_dim: int, dtype: torch.dtype, g: torch.Generator) -> dict:
-    from .attention.window import segment_attention
-
     bad = 0
     for lq, lk in ((12, 12), (70, 81)):
         q, k, v = (torch.randn(6, n, heads, head_dim, generator=g).to(dtype) for n in (lq, lk, lk))
@@ -69,8 +71,6 @@ def _attention(heads: int, head_dim: int, dtype: torch.dtype, g: torch.Generator
 
 
 def _conv(channels: int, dtype: torch.dtype, g: torch.Generator) -> dict:
-    from .models.seedvr2.vae.layers import conv3d
-
     w = (torch.randn(channels, channels, 3, 3, 3, generator=g) * (27 * channels) ** -0.5).to(dtype)
     b = torch.randn(channels, generator=g).to(dtype)
     x = torch.randn(1, channels, 5, 40, 24, generator=g).to(dtype)
@@ -92,8 +92,6 @@ def _conv(channels: int, dtype: torch.dtype, g: torch.Generator) -> dict:
 @torch.no_grad()
 def probe(model: str = "seedvr2-3b", dtypes=("fp32", "bf16")) -> dict:
     """Every check at ``model``'s widths, for each dtype; ``holds`` is the verdict."""
-    from .models.seedvr2.nadit.config import get_config
-    from .models.seedvr2.vae import RELEASED, TINY
 
     cfg = get_config(model)
     vae_width = (RELEASED if model.startswith("seedvr2") else TINY).widths[0]

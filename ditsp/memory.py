@@ -7,6 +7,7 @@ import os
 import resource
 
 import torch
+import ctypes
 
 
 class PeakMemory:
@@ -100,7 +101,6 @@ def exact_cpu_peaks(threshold: int = 128 * 1024) -> bool:
     so :class:`PeakMemory` on CPU reads the tensors' peak (what a device
     allocator's peak reports). Returns whether the setting took effect.
     """
-    import ctypes
     import ctypes.util
 
     try:

@@ -38,7 +38,7 @@ def test_bench_table_and_bytes(clusters):
 
 
 def test_baseline_fits():
-    from ditsp.bench.attention import baseline_fits
+    from ditsp.bench.attention_baselines import baseline_fits
 
     cfg = {"sp": 2, "seq": 64, "heads": 4, "kv_heads": 4, "text": 0}
     assert baseline_fits("a2a-sdpa", cfg) is None and baseline_fits("sdpa-1dev", cfg) is None

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ditsp.bench.attention import BASELINES, TORCH_CP_NO_BACKWARD, baseline_fits, peer_missing, run_bench
+from ditsp.bench.attention import run_bench
+from ditsp.bench.attention_baselines import BASELINES, TORCH_CP_NO_BACKWARD, baseline_fits, peer_missing
 from ditsp.cli import build_parser
 from ditsp.engine import DTYPES
 
@@ -33,7 +34,7 @@ def test_torch_cp_ring_forward_matches_sdpa(clusters):
 
 
 def _cp_backward(ctx):
-    from ditsp.bench.attention import TorchCPRing
+    from ditsp.bench.attention_baselines import TorchCPRing
 
     q = torch.randn(1, 128, 4, 16, requires_grad=True)  # the shapes of the forward test (its cached sharding)
     k, v = (torch.randn(1, 128, 2, 16, requires_grad=True) for _ in range(2))
@@ -82,7 +83,7 @@ def test_peer_baselines_wired_and_skipped_when_missing(monkeypatch):
 
 
 def test_sdpa_bshd_is_sdpa():
-    from ditsp.bench.attention import _sdpa_bshd
+    from ditsp.bench.attention_baselines import _sdpa_bshd
 
     q, k = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16)
     ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2), enable_gqa=True)

@@ -74,10 +74,10 @@ def dit_rows_rank(ctx, path):
     vid, txt = random_inputs(model.cfg, grid, seed=3)
     slabs = RowOwnership.slabs(vid.shape[:3], slab_ranges(2, 10, ctx.world_size))
     ids = torch.from_numpy(slabs.rank_ids(ctx.rank))
-    pc = ParallelConfig(ulysses_degree=ctx.world_size)
+    pc = ParallelConfig.window(ctx.world_size, window_path=path)
     with torch.no_grad():
-        full = model(vid, txt, 1000.0, runtime=parallelize(model.cfg, pc, grid, ctx.group, path=path))
-        rt = parallelize(model.cfg, pc, grid, ctx.group, path=path)
+        full = model(vid, txt, 1000.0, runtime=parallelize(model.cfg, pc, grid, ctx.group))
+        rt = parallelize(model.cfg, pc, grid, ctx.group)
         mine = model(vid.reshape(-1, 33)[ids], txt, 1000.0, runtime=rt, rows=slabs)
     kinds = rt.comm.stats.as_dict()
     return torch.equal(mine, full.reshape(-1, 16)[ids]), "output_gather" in kinds

@@ -30,7 +30,7 @@ COLLECTIVES = {
     "batch_isend_irecv",
 }
 # Benchmarks that time torch's own primitives against ditsp's (a baseline is torch.distributed by definition).
-COLLECTIVE_BASELINES = {"ditsp.bench.attention", "ditsp.bench.diffusers"}
+COLLECTIVE_BASELINES = {"ditsp.bench.attention", "ditsp.bench.attention_baselines", "ditsp.bench.diffusers"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -144,3 +144,18 @@ def test_no_collective_outside_the_distributed_layer():
                 if owner in aliases:
                     found.append(f"{path.relative_to(ROOT.parent)}:{n.lineno} calls {owner}.{n.func.attr}")
     assert not found, "collectives outside ditsp/distributed/ (add a counted method to Comm):\n" + "\n".join(found)
+
+
+def test_no_process_wide_registry_keyed_by_comm():
+    """Settings travel with the object that uses them (a runtime's or an attention strategy's Transport):
+    no module keeps a module-level table keyed by Comm objects (a weak-key dict, or a dict annotated with Comm)."""
+    found = []
+    for mod, path in MODULES.items():
+        for n in ast.parse(path.read_text()).body:
+            if not isinstance(n, (ast.Assign, ast.AnnAssign)) or n.value is None:
+                continue
+            text = ast.unparse(n.value) + (ast.unparse(n.annotation) if isinstance(n, ast.AnnAssign) else "")
+            if "WeakKeyDictionary" in text or ("Comm" in text and "dict" in text.lower()):
+                found.append(f"{path.relative_to(ROOT.parent)}:{n.lineno}: {ast.unparse(n)[:100]}")
+    assert not found, "process-wide registries keyed by Comm (hold the state on the object that uses it):\n" + \
+        "\n".join(found)

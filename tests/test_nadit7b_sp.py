@@ -47,7 +47,7 @@ def heads24_forward(ctx):
     model = init_random_(NaDiT(WIDE_HEADS), seed=3).eval()
     vid, txt = random_inputs(WIDE_HEADS, (3, 8, 10), seed=4)
     group = ctx.group if ctx.world_size > 1 else None
-    rt = parallelize(WIDE_HEADS, ParallelConfig(ulysses_degree=ctx.world_size), (3, 8, 10), group, path="window")
+    rt = parallelize(WIDE_HEADS, ParallelConfig.window(ctx.world_size, window_path="window"), (3, 8, 10), group)
     return model(vid, txt, 1000.0, runtime=rt), rt.report(heads=WIDE_HEADS.heads)
 
 

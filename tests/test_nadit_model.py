@@ -80,7 +80,7 @@ def test_x0_from_v():
 
 
 def test_build_runtime_validates_for_seedvr2():
-    rt = parallelize(TINY, ParallelConfig(), GRID, path="window")
+    rt = parallelize(TINY, ParallelConfig(window_path="window"), GRID)
     assert rt.world_size == 1 and rt.report(heads=TINY.heads) == (
         "window-aligned Plan A, planner lpt, SP=1, 3 heads on every rank")
     for bad in (dict(ring_degree=2), dict(use_allgather=True), dict(advanced_uaa=True),
@@ -107,7 +107,7 @@ def sp_vs_single(ctx, grid, dtype_name, seed=3):
     model = build_model(TINY, seed=seed, dtype=dtype)
     vid, txt = random_inputs(TINY, grid, seed=seed)
     single = model(vid, txt, 1000.0)
-    rt = parallelize(TINY, ParallelConfig(ulysses_degree=ctx.world_size), grid, ctx.group, path="window")
+    rt = parallelize(TINY, ParallelConfig.window(ctx.world_size, window_path="window"), grid, ctx.group)
     out = model(vid, txt, 1000.0, runtime=rt)
     return ((out.float() - single.float()).abs().max() / single.float().abs().max()).item(), \
         rt.plan(0).rank_windows[ctx.rank]

@@ -27,8 +27,8 @@ def io():
 @torch.no_grad()
 def sp_forward(ctx):
     model, d = reference_model(), io()
-    rt = parallelize(TINY, ParallelConfig(ulysses_degree=ctx.world_size), model.grid_of(d["vid_in"].shape), ctx.group,
-                     path="window")
+    rt = parallelize(TINY, ParallelConfig.window(ctx.world_size, window_path="window"), model.grid_of(d["vid_in"].shape),
+                     ctx.group)
     out = model(d["vid_in"], d["txt_in"], d["timestep"], runtime=rt)
     return out, rt.report(heads=TINY.heads), rt.comm.stats.as_dict()
 

@@ -22,15 +22,15 @@ def policy_forward(ctx, planner, policy, capacity, dtype):
     model, vid, txt = build_for(spec)
     cfg = model.cfg
     comm = Comm.of(ctx.group)
-    tp.configure(comm, tp.TransportSettings(policy=policy, capacity_bytes=capacity))
-    rt = WindowRuntime(GRID, cfg.window_methods, comm, planner, cfg.num_windows, torch.float64)
+    rt = WindowRuntime(GRID, cfg.window_methods, comm, planner, cfg.num_windows, torch.float64,
+                       tp.TransportSettings(policy=policy, capacity_bytes=capacity))
     rt.kernel_shapes = DETERMINISTIC
     out = model(vid, txt, 1000.0, runtime=rt)
     r = ctx.rank
     crossing = max(int(t.counts[r].sum() + t.counts[:, r].sum() - 2 * t.counts[r, r])
                    for t in rt.schedule.distinct_transitions().values())
     row_bytes = cfg.vid_dim * max(vid.element_size(), 2)
-    return out, comm.stats.as_dict(), comm.staging_peak(), crossing * row_bytes, tp.report(comm)
+    return out, comm.stats.as_dict(), comm.staging_peak(), crossing * row_bytes, rt.transport.report()
 
 
 @pytest.mark.bitwise

@@ -50,9 +50,8 @@ def auto_forward(ctx, link_per_rank=None):
     try:
         spec = RunSpec("tiny", GRID, ctx.world_size)
         model, vid, txt = build_for(spec)
-        rt = parallelize(model.cfg, ParallelConfig(ulysses_degree=ctx.world_size, window_path="auto", deterministic=True),
-                         GRID,
-                         ctx.group, None, None)
+        rt = parallelize(model.cfg, ParallelConfig.window(ctx.world_size, window_path="auto", deterministic=True), GRID,
+                         ctx.group)
         return model(vid, txt, 1000.0, runtime=rt), rt.report(), rt.choice.best.path
     finally:
         os.environ.pop(ENV_LINK, None)
@@ -84,6 +83,6 @@ def test_ranks_with_different_links_refuse_together(clusters, tmp_path):
 
 
 def test_single_device_auto_runtime():
-    rt = parallelize(TINY, ParallelConfig(window_path="auto"), GRID, None, None, None)
+    rt = parallelize(TINY, ParallelConfig(window_path="auto"), GRID, None)
     assert isinstance(rt, ChosenRuntime) and rt.choice.best.path == "window/lpt"
     _ = DisagreementError  # the error every rank raises on a mismatch (tested above through the cluster)

@@ -70,7 +70,7 @@ def test_single_rank_halo_is_the_single_device_forward():
     spec = RunSpec("tiny", RAGGED, 1, deterministic=True)
     model, vid, txt = build_for(spec)
     with torch.no_grad():
-        rt = parallelize(model.cfg, ParallelConfig(deterministic=True), model.grid_of(vid.shape), None, None, "halo")
+        rt = parallelize(model.cfg, ParallelConfig(window_path="halo", deterministic=True), model.grid_of(vid.shape))
         assert isinstance(rt, HaloSlabRuntime)
         assert torch.equal(model(vid, txt, 1000.0, runtime=rt), single(spec))
 

@@ -17,7 +17,7 @@ import torch
 from ditsp.cli import main
 from ditsp.distributed.launcher import RankError
 from ditsp.io.testclip import make_test_clip
-from ditsp.io.video import atomic_path, write_image
+from ditsp.io.write import atomic_path, write_image
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -83,7 +83,7 @@ def test_a_silent_rank_is_stuck_after_the_timeout(clusters):
 
 
 def test_stale_temporary_files_of_our_pattern_are_swept(tmp_path):
-    from ditsp.io.video import sweep_temps
+    from ditsp.io.write import sweep_temps
 
     pid = dead_pid()
     stale = tmp_path / f".out.tmp-{pid}-0a1b2c3d.mp4"
@@ -275,14 +275,14 @@ def test_a_malformed_vector_set_is_one_line(tmp_path, capsys):
 
 _WRITE = """
 import sys, torch
-from ditsp.io.video import write_video
+from ditsp.io.write import write_video
 g = torch.Generator().manual_seed(0)
 write_video(sys.argv[1], torch.randint(0, 255, (9, 32, 32, 3), dtype=torch.uint8, generator=g), 12, overwrite=True)
 """
 
 
 def test_the_encoder_is_pinned_and_files_reproduce(tmp_path):
-    from ditsp.io.video import VideoWriter
+    from ditsp.io.write import VideoWriter
 
     w = VideoWriter(tmp_path / "a.mp4", 12)
     w.write(torch.zeros(1, 32, 32, 3, dtype=torch.uint8))
@@ -349,7 +349,8 @@ def _corner_frames(n=5, h=32, w=48):
 
 
 def test_rotation_is_applied(tmp_path, capsys):
-    from ditsp.io.video import VideoReader, probe
+    from ditsp.io.probe import probe
+    from ditsp.io.read import VideoReader
 
     src = _write_clip(tmp_path / "rot.mp4", _corner_frames(), rotation=90)
     with VideoReader(src) as r:
@@ -364,7 +365,7 @@ def test_rotation_is_applied(tmp_path, capsys):
 
 
 def test_variable_frame_rate_keeps_each_frames_time(tmp_path, capsys):
-    from ditsp.io.video import frame_times
+    from ditsp.io.probe import frame_times
 
     times = [0.0, 0.05, 0.1, 0.15, 0.2, 0.6, 0.65, 0.7, 1.2, 1.25, 1.3, 1.35, 1.4]
     src = _write_clip(tmp_path / "vfr.mp4", _corner_frames(len(times), 32, 32), times=times, rate=20)
@@ -377,7 +378,7 @@ def test_variable_frame_rate_keeps_each_frames_time(tmp_path, capsys):
 
 
 def test_a_gif_keeps_its_frame_delays(tmp_path):
-    from ditsp.io.video import frame_times, probe
+    from ditsp.io.probe import frame_times, probe
 
     frames = torch.arange(24, dtype=torch.uint8).mul(10).view(24, 1, 1, 1).expand(24, 32, 32, 3).contiguous()
     src = _write_clip(tmp_path / "in.gif", frames, rate=24, codec="gif", pix_fmt="rgb8")
@@ -392,7 +393,7 @@ def test_a_gif_keeps_its_frame_delays(tmp_path):
 def test_a_16_bit_grey_png_is_read_by_its_range(tmp_path):
     from PIL import Image
 
-    from ditsp.io.video import read_image
+    from ditsp.io.read import read_image
 
     import numpy as np
 

@@ -12,7 +12,7 @@ from ditsp.commands import upscale as upscale_cmd
 from ditsp.dtypes import DTYPES
 from ditsp.io import formats
 from ditsp.io.testclip import make_test_clip
-from ditsp.io.video import count_frames, probe
+from ditsp.io.probe import count_frames, probe
 from ditsp.models.seedvr2 import presets, request
 from ditsp.models.seedvr2.pipeline import color_fix
 from ditsp.models.seedvr2.vae import modes

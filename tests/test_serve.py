@@ -19,7 +19,7 @@ import torch
 import uvicorn
 
 from ditsp.io.testclip import make_test_clip
-from ditsp.io.video import probe
+from ditsp.io.probe import probe
 from ditsp.serve import Settings, create_app
 
 pytestmark = pytest.mark.timeout(180)

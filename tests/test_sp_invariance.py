@@ -57,8 +57,8 @@ def forward_specs(ctx, specs, deterministic=True):
 def forward_vectors(ctx, directory, planner):
     """The shipped reference vector set's model and inputs under window SP."""
     cfg, model, d = vector_model(directory)
-    rt = parallelize(cfg, ParallelConfig(ulysses_degree=ctx.world_size, window_planner=planner, deterministic=True),
-                     model.grid_of(d["vid_in"].shape), ctx.group, planner)
+    rt = parallelize(cfg, ParallelConfig.window(ctx.world_size, window_planner=planner, deterministic=True),
+                     model.grid_of(d["vid_in"].shape), ctx.group)
     return model(d["vid_in"], d["txt_in"], d["timestep"], runtime=rt)
 
 

@@ -35,13 +35,13 @@ def rank_rows(ctx, seed, empty, dtype, capacity, recv_perm):
     res = {}
     for policy in ("off", "chunked"):
         comm = Comm(ctx.group)
-        tp.configure(comm, tp.TransportSettings(policy=policy, capacity_bytes=capacity))
+        link = tp.Transport(comm, tp.TransportSettings(policy=policy, capacity_bytes=capacity))
         xg = x.clone().requires_grad_(True)
-        out = tp.all_to_all(comm, tp.Rows(xg, index), ins, outs, "t", place=(tp.Placement(order) if order is not None else None), key=tp.matrix_key(m))
+        out = link.all_to_all(tp.Rows(xg, index), ins, outs, "t", place=(tp.Placement(order) if order is not None else None), key=tp.matrix_key(m))
         (out.float() * w.float()).sum().backward()
         peak = comm.staging_peak()
-        nograd = tp.all_to_all(comm, tp.Rows(x, index), ins, outs, "t", place=(tp.Placement(order) if order is not None else None), key=tp.matrix_key(m))
-        res[policy] = {"out": out.detach(), "grad": xg.grad, "nograd": nograd, "report": tp.report(comm),
+        nograd = link.all_to_all(tp.Rows(x, index), ins, outs, "t", place=(tp.Placement(order) if order is not None else None), key=tp.matrix_key(m))
+        res[policy] = {"out": out.detach(), "grad": xg.grad, "nograd": nograd, "report": link.report(),
                        "peak": max(peak, comm.staging_peak()), "stats": comm.stats.as_dict()}
     return res
 
@@ -70,17 +70,17 @@ def rank_ulysses(ctx, lens, heads, kv_heads, dtype, policy, capacity):
 
     torch.manual_seed(7 + ctx.rank)
     comm = Comm(ctx.group)
-    tp.configure(comm, tp.TransportSettings(policy=policy, capacity_bytes=capacity))
+    link = tp.Transport(comm, tp.TransportSettings(policy=policy, capacity_bytes=capacity))
     s = lens[ctx.rank]
     q = torch.randn(2, s, heads, 8).to(dtype).requires_grad_(True)
     k = torch.randn(2, s, kv_heads, 8).to(dtype).requires_grad_(True)
     v = torch.randn(2, s, kv_heads, 8).to(dtype).requires_grad_(True)
     plan = head_plan(heads, kv_heads, ctx.world_size)
-    hq, hk, hv = to_heads(comm, plan, lens, q, k, v)
+    hq, hk, hv = to_heads(link, plan, lens, q, k, v)
     mixed = hq * 1.5 + (hk.sum() + hv.sum()) * 0.25
-    out = to_seq(comm, plan, lens, mixed)
+    out = to_seq(link, plan, lens, mixed)
     out.float().pow(2).sum().backward()
-    return {"out": out.detach(), "grads": [t.grad for t in (q, k, v)], "report": tp.report(comm),
+    return {"out": out.detach(), "grads": [t.grad for t in (q, k, v)], "report": link.report(),
             "peak": comm.staging_peak(), "calls": comm.stats.as_dict()["ulysses_a2a"]["calls"]}
 
 
@@ -101,11 +101,11 @@ def test_ulysses_chunked_bitwise_equal_off(clusters, n, lens, heads, kv_heads, d
 
 def rank_ownership(ctx):
     comm = Comm(ctx.group)
-    tp.configure(comm, tp.TransportSettings(policy="chunked", capacity_bytes=64))
+    link = tp.Transport(comm, tp.TransportSettings(policy="chunked", capacity_bytes=64))
     splits = [6, 6]
-    a = tp.all_to_all(comm, torch.full((12, 2), float(ctx.rank)), splits, splits, key="k")
+    a = link.all_to_all(torch.full((12, 2), float(ctx.rank)), splits, splits, key="k")
     keep = a.clone()
-    b = tp.all_to_all(comm, torch.full((12, 2), 9.0), splits, splits, key="k")
+    b = link.all_to_all(torch.full((12, 2), 9.0), splits, splits, key="k")
     return torch.equal(a, keep), a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
 
 
@@ -115,13 +115,13 @@ def test_outputs_own_their_storage(clusters):
 
 def rank_tiny_capacity(ctx, policy):
     comm = Comm(ctx.group)
-    tp.configure(comm, tp.TransportSettings(policy=policy, capacity_bytes=8))  # < 3 rows of 4 floats
+    link = tp.Transport(comm, tp.TransportSettings(policy=policy, capacity_bytes=8))  # < 3 rows of 4 floats
     x = torch.ones(4, 4)
     try:
-        out = tp.all_to_all(comm, x, [2, 2], [2, 2], key="tiny")
+        out = link.all_to_all(x, [2, 2], [2, 2], key="tiny")
     except tp.TransportError as e:
         return "error", str(e)
-    return tp.report(comm)["policy"], torch.equal(out, x)
+    return link.report()["policy"], torch.equal(out, x)
 
 
 def test_capacity_below_one_row_per_peer(clusters):
@@ -133,25 +133,25 @@ def test_capacity_below_one_row_per_peer(clusters):
 def rank_disagree(ctx):
     """Rank 1 asks for another capacity, then a rank cannot chunk: every rank falls back to off; then recover."""
     comm = Comm(ctx.group)
+    link = tp.Transport(comm)
     x = torch.arange(40.0).reshape(20, 2) + 100 * ctx.rank
     seen = []
 
     def call():
-        out = tp.all_to_all(comm, x, [10, 10], [10, 10], key="d")
-        seen.append((tp.report(comm)["policy"], tp.report(comm)["reason"].split(":")[0]))
+        out = link.all_to_all(x, [10, 10], [10, 10], key="d")
+        seen.append((link.report()["policy"], link.report()["reason"].split(":")[0]))
         return out
 
-    tp.configure(comm, tp.TransportSettings(policy="chunked", capacity_bytes=64 if ctx.rank else 96))
+    link.configure(tp.TransportSettings(policy="chunked", capacity_bytes=64 if ctx.rank else 96))
     ref = call()
-    tp.configure(comm, tp.TransportSettings(policy="chunked", capacity_bytes=64))  # both agree now
+    link.configure(tp.TransportSettings(policy="chunked", capacity_bytes=64))  # both agree now
     same = torch.equal(call(), ref)
-    transport = tp.transport_of(comm)
-    transport.capable = ctx.rank == 0
-    transport.clear()
+    link.capable = ctx.rank == 0
+    link.configure(link.settings)  # clears the agreed plans
     call()
-    transport.capable = True
+    link.capable = True
     call()
-    tp.configure(comm, tp.TransportSettings(policy="off" if ctx.rank else "chunked", capacity_bytes=64))
+    link.configure(tp.TransportSettings(policy="off" if ctx.rank else "chunked", capacity_bytes=64))
     call()
     return seen, same
 
@@ -166,10 +166,11 @@ def test_disagreement_falls_back_on_every_rank_then_recovers(clusters):
 
 def rank_geometry(ctx):
     comm = Comm(ctx.group)
+    link = tp.Transport(comm)
     x = torch.zeros(5 if ctx.rank else 4, 2)
     splits = [2, 3] if ctx.rank else [2, 2]
     try:
-        tp.all_to_all(comm, x, splits, [2, 2], key="g")
+        link.all_to_all(x, splits, [2, 2], key="g")
     except tp.TransportError as e:
         return str(e)
     return "no error"
@@ -181,14 +182,14 @@ def test_geometry_disagreement_raises_on_every_rank(clusters):
 
 def rank_cached(ctx):
     comm = Comm(ctx.group)
-    tp.configure(comm, tp.TransportSettings(policy="chunked", capacity_bytes=256))
+    link = tp.Transport(comm, tp.TransportSettings(policy="chunked", capacity_bytes=256))
     x = torch.ones(40, 2)
     for _ in range(3):
-        tp.all_to_all(comm, x, [20, 20], [20, 20], key="c")
-    keyed = tp.transport_of(comm).agreements
+        link.all_to_all(x, [20, 20], [20, 20], key="c")
+    keyed = link.agreements
     for _ in range(2):
-        tp.all_to_all(comm, x, [20, 20], [20, 20])  # no key: agree every call
-    return keyed, tp.transport_of(comm).agreements, comm.stats.as_dict()["transport_agree"]["calls"]
+        link.all_to_all(x, [20, 20], [20, 20])  # no key: agree every call
+    return keyed, link.agreements, comm.stats.as_dict()["transport_agree"]["calls"]
 
 
 def test_agreement_cached_per_key(clusters):
@@ -200,7 +201,7 @@ def test_env_vs_config_precedence():
     s = tp.TransportSettings.resolve(None, env)
     assert (s.policy, s.long_training, s.capacity_bytes) == ("chunked", "chunked", 4096)
     assert dict(s.sources) == {"policy": "env", "long_training": "env", "capacity_bytes": "env"}
-    cfg = ParallelConfig(ulysses_a2a="off", a2a_capacity_bytes=123)
+    cfg = ParallelConfig(a2a_policy="off", a2a_capacity_bytes=123)
     s = tp.TransportSettings.resolve(cfg, env)
     assert (s.policy, s.long_training, s.capacity_bytes) == ("off", "chunked", 123)
     assert dict(s.sources)["policy"] == "config" and dict(s.sources)["long_training"] == "env"
@@ -210,8 +211,8 @@ def test_env_vs_config_precedence():
         tp.TransportSettings.resolve(None, {tp.ENV_POLICY: "fast"})
     with pytest.raises(ValueError, match="DITSP_A2A_CAPACITY_BYTES"):
         tp.TransportSettings.resolve(None, {tp.ENV_CAPACITY: "lots"})
-    with pytest.raises(ParallelConfigError, match="ulysses_a2a"):
-        ParallelConfig(ulysses_a2a="fast")
+    with pytest.raises(ParallelConfigError, match="a2a_policy"):
+        ParallelConfig(a2a_policy="fast")
     with pytest.raises(ParallelConfigError, match="a2a_capacity_bytes"):
         ParallelConfig(a2a_capacity_bytes=0)
 
@@ -252,13 +253,14 @@ def test_chunk_plan_fits_capacity():
 
 def rank_one_chunk(ctx):
     comm = Comm(ctx.group)
+    link = tp.Transport(comm)
     x = torch.randn(7, 3) + ctx.rank
     ins, outs = ([3, 4], [3, 5]) if ctx.rank == 0 else ([5, 2], [4, 2])
     got = {}
     for policy in ("off", "chunked"):
-        tp.configure(comm, tp.TransportSettings(policy=policy))
-        got[policy] = tp.all_to_all(comm, x, ins, outs, key="one")
-    return torch.equal(got["off"], got["chunked"]), tp.report(comm)["chunks"], comm.staging_peak()
+        link.configure(tp.TransportSettings(policy=policy))
+        got[policy] = link.all_to_all(x, ins, outs, key="one")
+    return torch.equal(got["off"], got["chunked"]), link.report()["chunks"], comm.staging_peak()
 
 
 def test_one_chunk_receives_into_the_output(clusters):
@@ -294,14 +296,15 @@ def test_ulysses_wire_blocks_copy_any_element_range():
 
 def rank_contiguous_chunks(ctx):
     comm = Comm(ctx.group)
+    link = tp.Transport(comm)
     x = torch.randn(40, 3) + ctx.rank
     ins = [15, 25] if ctx.rank == 0 else [10, 30]
     outs = [ins[0], 10] if ctx.rank == 0 else [25, 30]
     got = {}
     for policy in ("off", "chunked"):
-        tp.configure(comm, tp.TransportSettings(policy=policy, capacity_bytes=64))
+        link.configure(tp.TransportSettings(policy=policy, capacity_bytes=64))
         comm.staging_peak(reset=True)
-        got[policy] = (tp.all_to_all(comm, x, ins, outs, key="contig"), comm.staging_peak(), tp.report(comm))
+        got[policy] = (link.all_to_all(x, ins, outs, key="contig"), comm.staging_peak(), link.report())
     return got
 
 
@@ -322,11 +325,11 @@ def rank_ulysses_long(ctx, tokens, policy, capacity):
     lens = [tokens // 2 + tokens % 2, tokens // 2]
     torch.manual_seed(11 + ctx.rank)
     comm = Comm(ctx.group)
-    tp.configure(comm, tp.TransportSettings(policy=policy, capacity_bytes=capacity))
+    link = tp.Transport(comm, tp.TransportSettings(policy=policy, capacity_bytes=capacity))
     q, k, v = (torch.randn(1, lens[ctx.rank], h, 8).to(torch.bfloat16).requires_grad_(True) for h in (4, 2, 2))
     plan = head_plan(4, 2, 2)
-    hq, hk, hv = to_heads(comm, plan, lens, q, k, v)
-    out = to_seq(comm, plan, lens, hq * 1.5 + hk.repeat_interleave(2, 1) * hv.repeat_interleave(2, 1))
+    hq, hk, hv = to_heads(link, plan, lens, q, k, v)
+    out = to_seq(link, plan, lens, hq * 1.5 + hk.repeat_interleave(2, 1) * hv.repeat_interleave(2, 1))
     out.float().pow(2).sum().backward()
 
     def digest(t):
@@ -378,16 +381,16 @@ def rank_random(ctx, seed, width, dtype, policy, capacity, use_index, use_place)
         placed[perm] = expected
         expected = placed
     comm = Comm(ctx.group)
-    tp.configure(comm, tp.TransportSettings(policy=policy, capacity_bytes=capacity))
+    link = tp.Transport(comm, tp.TransportSettings(policy=policy, capacity_bytes=capacity))
     if use_index:
         send = tp.Rows(x, index)
     else:
         send = x[: sum(ins)]
     try:
-        out = tp.all_to_all(comm, send, ins, outs, "rnd", place=place, key=("rnd", seed))
+        out = link.all_to_all(send, ins, outs, "rnd", place=place, key=("rnd", seed))
     except tp.TransportError as e:
         return "error", str(e)
-    return torch.equal(out, expected), comm.staging_peak() <= capacity or policy == "off", tp.report(comm)["chunks"]
+    return torch.equal(out, expected), comm.staging_peak() <= capacity or policy == "off", link.report()["chunks"]
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -11,7 +11,9 @@ import torch
 
 from ditsp.cli import main
 from ditsp.io.testclip import make_test_clip
-from ditsp.io.video import probe, read_video, write_image
+from ditsp.io.probe import probe
+from ditsp.io.read import read_video
+from ditsp.io.write import write_image
 from ditsp.models.seedvr2.restore import UpscaleRequest, rank_upscale, summarize
 from ditsp.models.seedvr2.weights import WeightsSpec
 

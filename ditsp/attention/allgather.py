@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from ..distributed.comm import Comm
-from .common import gather_rows
+from .common import gather_rows, merge
 from .kernels import block_bwd, block_fwd, local_attention
 
 
@@ -36,12 +36,10 @@ class PrefixCausal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, backend, scale, p, q, k, v):
-        from .ring import merge_
-
         out = lse = None
         for lo, hi, diag in ((0, p, False), (p, k.shape[2], True)):
             if hi > lo:
-                out, lse = merge_(out, lse, *block_fwd(backend, q, k[:, :, lo:hi], v[:, :, lo:hi], scale, diag))
+                out, lse = merge(out, lse, *block_fwd(backend, q, k[:, :, lo:hi], v[:, :, lo:hi], scale, diag))
         if out is None:
             out = q.new_zeros(q.shape[:3] + (v.shape[-1],), dtype=torch.float32)
             lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)

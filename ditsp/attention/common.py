@@ -58,12 +58,55 @@ def gather_lens(comm: Comm, n: int) -> list[int]:
 
 
 def merge(out, lse, blk_out, blk_lse):
-    """Fold one block's ``(out, lse)`` into the running fp32 pair (None = nothing yet)."""
+    """Fold one block's ``(out, lse)`` into the running fp32 pair, in place on ``out``; returns the pair.
+
+    The one LSE merge of ditsp (ring, all-gather causal, packed ring). ``out`` None (nothing yet): the
+    block becomes the pair, as fp32. ``out`` may be a view (a slice of a larger output), which is
+    updated in place; an fp32 ``blk_out`` is consumed. Rows whose merged LSE is -inf (no key seen yet)
+    stay 0 instead of NaN; every other row gets ``out * exp(lse - new) + blk * exp(blk_lse - new)``.
+    """
     if out is None:
-        return blk_out, blk_lse
+        return blk_out.float(), blk_lse.float()
     new = torch.logaddexp(lse, blk_lse)
-    out = out * torch.exp(lse - new).unsqueeze(-1) + blk_out * torch.exp(blk_lse - new).unsqueeze(-1)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1))
+    b = torch.exp(blk_lse - safe).unsqueeze(-1)
+    out.add_(blk_out.mul_(b) if blk_out.dtype == torch.float32 else blk_out * b)
     return out, new
+
+
+# -- the ring loop: one transfer in flight while one block is computed ------------
+
+
+def post(comm: Comm, sends, recvs, kind: str) -> list:
+    """Post point-to-point ``(tensor, peer)`` sends and receives as one batch (empty tensors skipped):
+    the requests to :func:`wait` on."""
+    sends = [(t, p) for t, p in sends if t is not None and t.numel()]
+    recvs = [(t, p) for t, p in recvs if t is not None and t.numel()]
+    return comm.batch_isend_irecv(sends, recvs, kind=kind) if sends or recvs else []
+
+
+def wait(reqs) -> None:
+    for r in reqs:
+        r.wait()
+
+
+def ring_loop(steps: int, first, post_step, compute) -> None:
+    """The one post/wait loop of the ring strategies (:mod:`.ring`, :mod:`.packed.ring_packed`).
+
+    Step 0 computes ``first`` (the local block). The transfer that step s needs is posted by
+    ``post_step(s, held)`` (``held``: the block of step s-1; returns ``(block or None, requests)``)
+    before step s-1 is computed, and waited for after it, so one transfer overlaps one compute; then
+    ``compute(s, block)``. Every rank runs the same steps and posts, whatever it computes.
+    """
+    blk = first
+    nxt = post_step(1, blk) if steps > 1 else (None, [])
+    compute(0, blk)
+    for s in range(1, steps):
+        blk, reqs = nxt
+        wait(reqs)
+        nxt = post_step(s + 1, blk) if s + 1 < steps else (None, [])
+        compute(s, blk)
 
 
 def default_scale(q: torch.Tensor, scale: float | None) -> float:

@@ -232,17 +232,26 @@ def _chunks(rows: int, cols: int, heads: int):
     return [(i, min(rows, i + step)) for i in range(0, rows, step)]
 
 
-def _causal_mask(i: int, j: int, sk: int, groups: int, device) -> torch.Tensor:
-    """True where grouped query rows ``[i, j)`` (``groups`` heads' rows stacked) must not see a key."""
-    pos = torch.arange(i, j, device=device).repeat(groups)
+def _causal_mask(i: int, j: int, sk: int, groups: int, device, offset: int = 0) -> torch.Tensor:
+    """True where grouped query rows ``[i, j)`` (``groups`` heads' rows stacked) must not see a key: key
+    ``c`` is hidden from query row ``r`` when ``c > r + offset``."""
+    pos = torch.arange(i + offset, j + offset, device=device).repeat(groups)
     return pos[:, None] < torch.arange(sk, device=device)[None, :]
 
 
-def attn_fwd(q, k, v, scale: float, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (a row that sees no key) as 0, so ``exp(s - lse)`` of its hidden scores is 0, not NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def attn_fwd(q, k, v, scale: float, causal: bool = False, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention of ``q`` [B,H,Sq,D] on one K/V block [B,Hkv,Sk,D] (H % Hkv == 0, contiguous groups).
 
     Returns ``(out, lse)`` in fp32: out [B,H,Sq,Dv], lse [B,H,Sq] = logsumexp of the scaled scores.
-    ``causal``: query row i sees keys 0..i.
+    ``causal``: query row i sees keys 0..i+offset (``offset``: the query block's start minus the key
+    block's, for blocks of one sequence that do not start together); a row that sees no key gets out 0
+    and lse -inf. Any layout whose strides allow the views (e.g. sequence-major ``[B,S,H,D]``
+    transposed): K and V are never copied.
     """
     b, h, sq, _ = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -260,18 +269,19 @@ def attn_fwd(q, k, v, scale: float, causal: bool = False) -> tuple[torch.Tensor,
         qc = grouped(q[:, :, i:j].float(), hk)
         s = torch.matmul(qc, kf.transpose(-1, -2)) * scale
         if causal:
-            s = s.masked_fill(_causal_mask(i, j, sk, h // hk, s.device), float("-inf"))
+            s = s.masked_fill(_causal_mask(i, j, sk, h // hk, s.device, offset), float("-inf"))
         l = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - l.unsqueeze(-1))
+        p = torch.exp(s - _finite(l).unsqueeze(-1))
         out[:, :, i:j] = ungrouped(torch.matmul(p, vf), h)
         lse[:, :, i:j] = ungrouped(l, h)
     return out, lse
 
 
-def attn_bwd(q, k, v, lse, delta, dout, scale: float, causal: bool = False):
+def attn_bwd(q, k, v, lse, delta, dout, scale: float, causal: bool = False, offset: int = 0):
     """Reference gradients of one K/V block given the *final* ``lse`` and ``delta = rowsum(dout * out)``.
 
-    Returns fp32 ``(dq, dk, dv)``; dk/dv sum over the query heads of each group.
+    Returns fp32 ``(dq, dk, dv)``; dk/dv sum over the query heads of each group. ``causal``/``offset``
+    as for :func:`attn_fwd`.
     """
     h, hk, sq, sk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     if h == 0 or hk == 0:  # a rank holding no heads: nothing to differentiate
@@ -286,8 +296,8 @@ def attn_bwd(q, k, v, lse, delta, dout, scale: float, causal: bool = False):
         do = grouped(dout[:, :, i:j].float(), hk)
         s = torch.matmul(qc, kf.transpose(-1, -2)) * scale
         if causal:
-            s = s.masked_fill(_causal_mask(i, j, sk, h // hk, s.device), float("-inf"))
-        p = torch.exp(s - grouped(lse[:, :, i:j, None], hk))
+            s = s.masked_fill(_causal_mask(i, j, sk, h // hk, s.device, offset), float("-inf"))
+        p = torch.exp(s - grouped(_finite(lse[:, :, i:j, None]), hk))
         dv += torch.matmul(p.transpose(-1, -2), do)
         dp = torch.matmul(do, vf.transpose(-1, -2))
         ds = p * (dp - grouped(delta[:, :, i:j, None], hk)) * scale

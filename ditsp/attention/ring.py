@@ -35,35 +35,20 @@ from typing import Sequence
 import torch
 
 from ..distributed.comm import Comm
-from .common import merge
+from .common import merge, post, ring_loop, wait
 from .kernels import block_bwd, block_fwd
 
 
-def _post(comm: Comm, sends, recvs, kind: str):
-    """Send tensors to the next rank and receive from the previous one, one batch; empty tensors are skipped."""
-    nxt, prv = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
-    sends = [(t, nxt) for t in sends if t is not None and t.numel()]
-    recvs = [(t, prv) for t in recvs if t is not None and t.numel()]
-    return comm.batch_isend_irecv(sends, recvs, kind=kind) if sends or recvs else []
-
-
-def _post_next_kv(comm: Comm, kv, kv_lens: Sequence[int], step: int, kind: str):
-    """Post the transfer of the block held at ``step + 1`` (none after the last step): (buffers, requests).
-
-    ``kv`` is the pair (K, V) in wire layout ``[B, s, Hkv, D]`` (contiguous); K and V travel as two
-    messages of one batch, so neither is ever stacked.
+def _post_kv(comm: Comm, kv, kv_lens: Sequence[int], step: int, kind: str):
+    """Post the receive of the block held at ``step`` and the send of ``kv`` (held at ``step - 1``) to the
+    next rank: (buffers, requests). ``kv`` is the pair (K, V) in wire layout ``[B, s, Hkv, D]``
+    (contiguous); K and V travel as two messages of one batch, so neither is ever stacked.
     """
     n = comm.world_size
-    if step + 1 >= n:
-        return None, []
-    s = kv_lens[(comm.rank - step - 1) % n]
+    nxt_rank, prv = (comm.rank + 1) % n, (comm.rank - 1) % n
+    s = kv_lens[(comm.rank - step) % n]
     nxt = tuple(x.new_empty(x.shape[:1] + (s,) + x.shape[2:]) for x in kv)
-    return nxt, _post(comm, kv, nxt, kind)
-
-
-def _wait(reqs) -> None:
-    for r in reqs:
-        r.wait()
+    return nxt, post(comm, [(t, nxt_rank) for t in kv], [(t, prv) for t in nxt], kind)
 
 
 def _compute(x):
@@ -74,21 +59,6 @@ def _compute(x):
 def _wire(x):
     """Compute layout [B, H, s, D] -> contiguous wire layout [B, s, H, D] (no copy when it already lies so)."""
     return x.transpose(1, 2).contiguous()
-
-
-def merge_(out, lse, blk_out, blk_lse):
-    """:func:`ditsp.attention.common.merge` in place on the running fp32 ``out`` (``blk_out`` is consumed).
-
-    Same arithmetic, so the same bits; no temporaries of the output's size besides a bf16 block's
-    fp32 rescale.
-    """
-    if out is None:
-        return blk_out.float(), blk_lse.float()
-    new = torch.logaddexp(lse, blk_lse)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1))
-    b = torch.exp(blk_lse - new).unsqueeze(-1)
-    out.add_(blk_out.mul_(b) if blk_out.dtype == torch.float32 else blk_out * b)
-    return out, new
 
 
 def _block_mask(causal: bool, me: int, src: int) -> tuple[bool, bool]:
@@ -102,18 +72,17 @@ def ring_fwd(comm: Comm, q, kv, kv_lens: Sequence[int], scale: float, extra=None
              causal: bool = False):
     """``q`` [B,H,Sq,D]; ``kv`` (K, V) in wire layout [B,s_me,Hkv,D]. Returns fp32 (out, lse)."""
     n = comm.world_size
-    out = lse = None
+    acc = [None, None]  # the running (out, lse)
     if extra is not None and extra.shape[3]:
-        out, lse = block_fwd(backend, q, extra[0], extra[1], scale)
-        out, lse = out.float(), lse.float()
-    for step in range(n):
-        nxt, reqs = _post_next_kv(comm, kv, kv_lens, step, "ring_kv")
+        acc[:] = merge(None, None, *block_fwd(backend, q, extra[0], extra[1], scale))
+
+    def compute(step, blk):
         attend, diag = _block_mask(causal, comm.rank, (comm.rank - step) % n)
-        if kv[0].shape[1] and attend:
-            out, lse = merge_(out, lse, *block_fwd(backend, q, _compute(kv[0]), _compute(kv[1]), scale, diag))
-        if nxt is not None:
-            _wait(reqs)
-            kv = nxt
+        if blk[0].shape[1] and attend:
+            acc[:] = merge(*acc, *block_fwd(backend, q, _compute(blk[0]), _compute(blk[1]), scale, diag))
+
+    ring_loop(n, kv, lambda step, held: _post_kv(comm, held, kv_lens, step, "ring_kv"), compute)
+    out, lse = acc
     if out is None:  # no keys at all
         out = q.new_zeros(q.shape[:3] + (kv[1].shape[-1],), dtype=torch.float32)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
@@ -145,36 +114,37 @@ def ring_bwd(comm: Comm, q, kv, kv_lens, scale, out, lse, dout, extra=None, back
             g = block_bwd(backend, q, extra[0], extra[1], out, lse, dout, scale, delta)
             dq = _acc(dq, g[0])
             dextra[0], dextra[1] = g[1], g[2]
-    dkv, dkv_reqs = None, []
-    for step in range(n):
-        nxt, kv_reqs = _post_next_kv(comm, kv, kv_lens, step, "ring_kv_bwd")
-        k, v = kv
+    state = {"dq": dq, "dkv": None, "reqs": []}  # the dK/dV accumulator arriving from the previous rank
+
+    def compute(step, blk_kv):
+        k, v = blk_kv
         attend, diag = _block_mask(causal, me, (me - step) % n)
         g = (block_bwd(backend, q, _compute(k), _compute(v), out, lse, dout, scale, delta, diag)
              if k.shape[1] and attend else None)
         if g is not None:
-            dq = _acc(dq, g[0])
-        if dkv is not None:
-            _wait(dkv_reqs)
-            blk = dkv
+            state["dq"] = _acc(state["dq"], g[0])
+        if state["dkv"] is not None:
+            wait(state["reqs"])
+            blk = state["dkv"]
             if g is not None:
                 _compute(blk[0]).add_(g[1])
                 _compute(blk[1]).add_(g[2])
         elif g is not None:  # the block's own dK/dV become the accumulator (fp32, wire layout)
             blk = tuple(_wire(x).float() for x in g[1:])
         else:
-            blk = tuple(torch.zeros(tuple(x.shape), dtype=torch.float32) for x in kv)
+            blk = tuple(torch.zeros(tuple(x.shape), dtype=torch.float32) for x in blk_kv)
         # Pass the accumulator of the block we hold on; receive the one of the block we hold next.
         if n > 1:
             s = kv_lens[(me - step - 1) % n]
-            dkv = tuple(x.new_empty(x.shape[:1] + (s,) + x.shape[2:]) for x in blk)
-            dkv_reqs = _post(comm, blk, dkv, "ring_dkv")
+            state["dkv"] = tuple(x.new_empty(x.shape[:1] + (s,) + x.shape[2:]) for x in blk)
+            state["reqs"] = post(comm, [(t, (me + 1) % n) for t in blk],
+                                 [(t, (me - 1) % n) for t in state["dkv"]], "ring_dkv")
         else:
-            dkv = blk
-        if nxt is not None:
-            _wait(kv_reqs)
-            kv = nxt
-    _wait(dkv_reqs)
+            state["dkv"] = blk
+
+    ring_loop(n, kv, lambda step, held: _post_kv(comm, held, kv_lens, step, "ring_kv_bwd"), compute)
+    wait(state["reqs"])
+    dq, dkv = state["dq"], state["dkv"]
     if dq is None:
         dq = torch.zeros(q.shape, dtype=torch.float32)
     return dq, dkv, dextra

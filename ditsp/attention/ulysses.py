@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 
 from ..distributed import transport
-from ..distributed.comm import Comm
+from ..distributed.transport import Transport
 from .common import even_splits, offsets, ranges
 
 
@@ -71,12 +71,12 @@ def _widths(xs, head_ranges, rank):
     return [(hr[rank][1] - hr[rank][0]) * x.shape[-1] for x, hr in zip(xs, head_ranges)]
 
 
-def _move(comm: Comm, src, ins, outs, kind, key, planes: int, grad: bool):
+def _move(link: Transport, src, ins, outs, kind, key, planes: int, grad: bool):
     """One transport all-to-all of a flat source (element splits); ``planes`` as the codec reports them."""
     if isinstance(src, torch.Tensor):
         src = transport.Rows(src)
     src.planes = planes  # per-plane sizes as before: (batch items x tensors x peers) planes
-    return transport.all_to_all(comm, src, ins, outs, kind, key=key, grad=True if grad else None)
+    return link.all_to_all(src, ins, outs, kind, key=key, grad=True if grad else None)
 
 
 class WireBlocks:
@@ -134,7 +134,7 @@ class WireBlocks:
                 o, e = o + step, e + step
 
 
-def seq_to_head(comm: Comm, xs, head_ranges, seq_lens, kind="ulysses_a2a", stacked=True, contiguous=False):
+def seq_to_head(link: Transport, xs, head_ranges, seq_lens, kind="ulysses_a2a", stacked=True, contiguous=False):
     """``[B, s_me, H_t, D]`` sequence shards -> ``[B, h_t(me), S, D]`` head shards, per tensor t.
 
     Wire layout (:class:`WireBlocks`): every rank sends peer p one block ``[s_me, B, W_p]`` whose
@@ -142,14 +142,16 @@ def seq_to_head(comm: Comm, xs, head_ranges, seq_lens, kind="ulysses_a2a", stack
     Blocks arrive in rank order, so the receive buffer is already ``[S, B, W_me]``: every returned
     head shard is a strided view of it (sequence stride ``B * W_me``), with no copy after the
     exchange. The send side is packed by the transport, chunk by chunk, straight from the tensors.
+    ``link``: the caller's Transport (a bare Comm gets a fresh one, as for every function here).
     """
+    link = Transport.of(link)
     if not stacked:  # one exchange per tensor; ``contiguous``: its copy, and the receive buffer goes at once
         res = []
         for x, hr in zip(xs, head_ranges):
-            h = seq_to_head(comm, [x], [hr], seq_lens, kind, True)[0]
+            h = seq_to_head(link, [x], [hr], seq_lens, kind, True)[0]
             res.append(h.contiguous() if contiguous else h)
         return res
-    me, n = comm.rank, comm.world_size
+    me, n = link.rank, link.world_size
     b = xs[0].shape[0]
     wire = WireBlocks(xs, head_ranges, n)
     s_me = wire.s
@@ -157,7 +159,7 @@ def seq_to_head(comm: Comm, xs, head_ranges, seq_lens, kind="ulysses_a2a", stack
     W = sum(ws)
     key = ("ulysses_s2h", tuple(int(v) for v in seq_lens), b,
            tuple((tuple(map(tuple, hr)), int(x.shape[-1])) for x, hr in zip(xs, head_ranges)))
-    out = _move(comm, wire, [s_me * b * w for w in wire.widths], [int(s) * b * W for s in seq_lens], kind, key,
+    out = _move(link, wire, [s_me * b * w for w in wire.widths], [int(s) * b * W for s in seq_lens], kind, key,
                 b * n * len(xs), any(x.requires_grad for x in xs))
     S = sum(int(s) for s in seq_lens)
     full = out.view(S, b, W)
@@ -169,7 +171,7 @@ def seq_to_head(comm: Comm, xs, head_ranges, seq_lens, kind="ulysses_a2a", stack
     return res
 
 
-def head_to_seq(comm: Comm, xs, head_ranges, seq_lens, total_heads, kind="ulysses_a2a", stacked=True):
+def head_to_seq(link: Transport, xs, head_ranges, seq_lens, total_heads, kind="ulysses_a2a", stacked=True):
     """Inverse of :func:`seq_to_head`; heads held by several ranks are summed.
 
     Packs ``[S, B, W_me]`` (no copy when one tensor already lies sequence-major, as the fused kernels
@@ -177,10 +179,11 @@ def head_to_seq(comm: Comm, xs, head_ranges, seq_lens, total_heads, kind="ulysse
     copy, except for heads that more than one rank holds (a K/V head shared under GQA), which are
     zero-filled and summed.
     """
+    link = Transport.of(link)
     if not stacked:
-        return [head_to_seq(comm, [x], [hr], seq_lens, [th], kind, True)[0]
+        return [head_to_seq(link, [x], [hr], seq_lens, [th], kind, True)[0]
                 for x, hr, th in zip(xs, head_ranges, total_heads)]
-    me, n = comm.rank, comm.world_size
+    me, n = link.rank, link.world_size
     b, S = xs[0].shape[0], xs[0].shape[2]
     s_me = int(seq_lens[me])
     ws = _widths(xs, head_ranges, me)
@@ -197,7 +200,7 @@ def head_to_seq(comm: Comm, xs, head_ranges, seq_lens, total_heads, kind="ulysse
     recv_w = [sum(_widths(xs, head_ranges, r)) for r in range(n)]
     key = ("ulysses_h2s", tuple(int(v) for v in seq_lens), b,
            tuple((tuple(map(tuple, hr)), int(x.shape[-1])) for x, hr in zip(xs, head_ranges)))
-    out = _move(comm, buf, [int(s) * b * W for s in seq_lens], [s_me * b * w for w in recv_w], kind, key,
+    out = _move(link, buf, [int(s) * b * W for s in seq_lens], [s_me * b * w for w in recv_w], kind, key,
                 b * n * len(xs), any(x.requires_grad for x in xs))
     del buf  # a packed send buffer goes before the outputs are allocated
     outs = []
@@ -229,44 +232,44 @@ class SeqToHead(torch.autograd.Function):
     """Forward :func:`seq_to_head`; backward runs the inverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, comm, head_ranges, seq_lens, stacked, contiguous, *xs):
-        ctx.args = (comm, head_ranges, seq_lens, [x.shape[2] for x in xs], stacked)
-        return tuple(seq_to_head(comm, list(xs), head_ranges, seq_lens, stacked=stacked, contiguous=contiguous))
+    def forward(ctx, link, head_ranges, seq_lens, stacked, contiguous, *xs):
+        ctx.args = (link, head_ranges, seq_lens, [x.shape[2] for x in xs], stacked)
+        return tuple(seq_to_head(link, list(xs), head_ranges, seq_lens, stacked=stacked, contiguous=contiguous))
 
     @staticmethod
     def backward(ctx, *gs):
-        comm, hr, lens, total, stacked = ctx.args
+        link, hr, lens, total, stacked = ctx.args
         # One exchange per gradient even when the forward stacked them: the three gradients are alive
         # anyway (the engine holds them until this returns), so a stacked send buffer and receive buffer
         # would add twice their size at once; per tensor it is twice the largest one.
-        return (None,) * 5 + tuple(head_to_seq(comm, gs, hr, lens, total, "ulysses_a2a_bwd", False))
+        return (None,) * 5 + tuple(head_to_seq(link, gs, hr, lens, total, "ulysses_a2a_bwd", False))
 
 
 class HeadToSeq(torch.autograd.Function):
     """Forward :func:`head_to_seq`; backward runs the inverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, comm, head_ranges, seq_lens, total_heads, stacked, *xs):
-        ctx.args = (comm, head_ranges, seq_lens, stacked)
-        return tuple(head_to_seq(comm, list(xs), head_ranges, seq_lens, total_heads, stacked=stacked))
+    def forward(ctx, link, head_ranges, seq_lens, total_heads, stacked, *xs):
+        ctx.args = (link, head_ranges, seq_lens, stacked)
+        return tuple(head_to_seq(link, list(xs), head_ranges, seq_lens, total_heads, stacked=stacked))
 
     @staticmethod
     def backward(ctx, *gs):
         # The output's gradient stays a view of its receive buffer even for kernels that prefer
         # contiguous input: a copy here would sit at the backward's memory peak (measured +10%).
-        comm, hr, lens, stacked = ctx.args
-        return (None,) * 5 + tuple(seq_to_head(comm, gs, hr, lens, "ulysses_a2a_bwd", stacked))
+        link, hr, lens, stacked = ctx.args
+        return (None,) * 5 + tuple(seq_to_head(link, gs, hr, lens, "ulysses_a2a_bwd", stacked))
 
 
-def to_heads(comm: Comm, plan: HeadPlan, seq_lens: Sequence[int], q, k, v, stacked: bool = False,
+def to_heads(link: Transport, plan: HeadPlan, seq_lens: Sequence[int], q, k, v, stacked: bool = False,
              contiguous: bool = False):
     """Sequence-sharded q, k, v -> this rank's head shard of the whole sequence (one all-to-all each,
     or one in all with ``stacked``). ``contiguous``: return contiguous copies instead of views of the
     receive buffers (for kernels that read them faster; per-tensor exchanges only)."""
     hr = [plan.q, plan.kv, plan.kv]
-    return SeqToHead.apply(comm, hr, list(seq_lens), stacked, contiguous, q, k, v)
+    return SeqToHead.apply(Transport.of(link), hr, list(seq_lens), stacked, contiguous, q, k, v)
 
 
-def to_seq(comm: Comm, plan: HeadPlan, seq_lens: Sequence[int], out, stacked: bool = False):
+def to_seq(link: Transport, plan: HeadPlan, seq_lens: Sequence[int], out, stacked: bool = False):
     """Head-sharded output -> sequence shard with all heads."""
-    return HeadToSeq.apply(comm, [plan.q], list(seq_lens), [plan.heads], stacked, out)[0]
+    return HeadToSeq.apply(Transport.of(link), [plan.q], list(seq_lens), [plan.heads], stacked, out)[0]

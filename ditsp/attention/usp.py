@@ -39,6 +39,7 @@ from ..config import ParallelConfig
 from ..distributed.groups import SPGroups
 from ..distributed.agree import DisagreementError
 from ..distributed.comm import Comm, CommStats
+from ..distributed.transport import Transport
 from .allgather import allgather_attention, joined
 from .common import default_scale, even_splits, gather_lens, gather_rows, ranges
 from .kernels import NAMES, Choice, choose, local_attention, requested_default, wants_contiguous
@@ -119,7 +120,7 @@ class SPAttention:
 
     def __init__(self, ulysses_group=None, ring_group=None, sp_group=None, outer: str = "ring",
                  stacked: bool = False, strict: bool = False, name: str = "usp", backend: str | None = None,
-                 layout: str = "contiguous"):
+                 layout: str = "contiguous", transport=None):
         if outer not in ("ring", "allgather"):
             raise ValueError(f"outer must be 'ring' or 'allgather', got {outer!r}")
         if layout not in LAYOUTS:
@@ -128,6 +129,9 @@ class SPAttention:
         self.stats = CommStats()
         self.u, self.r = _comm(ulysses_group, self.stats), _comm(ring_group, self.stats)
         self.sp = _comm(sp_group, self.stats)
+        # The Ulysses all-to-alls' transport: ``transport`` is a TransportSettings, a config with the a2a_*
+        # fields, or None (the environment), whichever entry point built this object.
+        self.transport = Transport(self.u, transport)
         if self.sp.world_size != self.u.world_size * self.r.world_size:
             raise ValueError(f"SP group of {self.sp.world_size} ranks is not ulysses {self.u.world_size} x ring {self.r.world_size}")
         self.outer, self.stacked, self.strict, self.name = outer, stacked, strict, name
@@ -177,12 +181,8 @@ class SPAttention:
         u, r = config.ulysses_degree, config.ring_degree
         outer = "allgather" if config.use_allgather else "ring"
         name = "ulysses" if r == 1 else (outer if u == 1 else f"usp-{outer}")
-        attn = cls(groups.ulysses, groups.ring, groups.sp, outer, config.ulysses_a2a_stacked,
-                   not config.advanced_uaa, name, backend, layout)
-        from ..distributed.transport import configure
-
-        configure(attn.u, config)  # the Ulysses transport policy of this config (every rank alike)
-        return attn
+        return cls(groups.ulysses, groups.ring, groups.sp, outer, config.ulysses_a2a_stacked,
+                   not config.advanced_uaa, name, backend, layout, transport=config)
 
     def __call__(self, q, k, v, text_len: int = 0, joint: str = "front",
                  seq_lens: Sequence[int] | None = None, scale: float | None = None,
@@ -211,7 +211,7 @@ class SPAttention:
         plan = head_plan(heads, kv_heads, U)
         if U > 1:
             contiguous = wants_contiguous(backend, vq.dtype)  # this kernel reads contiguous shards faster
-            hq, hk, hv = to_heads(self.u, plan, u_lens, vq, vk, vv, self.stacked, contiguous)
+            hq, hk, hv = to_heads(self.transport, plan, u_lens, vq, vk, vv, self.stacked, contiguous)
         else:
             hq, hk, hv = (x.transpose(1, 2) for x in (vq, vk, vv))
         (qlo, qhi), (klo, khi) = plan.q[me], plan.kv[me]
@@ -237,7 +237,7 @@ class SPAttention:
         if T:
             ot = gather_rows(ot, self.r, t_rows, dim=2, kind="text_rows")
         if U > 1:
-            ov = to_seq(self.u, plan, u_lens, ov, self.stacked)
+            ov = to_seq(self.transport, plan, u_lens, ov, self.stacked)
             if T:
                 ot = gather_rows(ot, self.u, [b - a for a, b in plan.q], dim=1, kind="text_heads")
         else:
@@ -249,8 +249,9 @@ class SPAttention:
 
 
 def Ulysses(group, stacked: bool = False, strict: bool = False, backend: str | None = None,
-            layout: str = "contiguous") -> SPAttention:
-    return SPAttention(group, None, group, "ring", stacked, strict, "ulysses", backend, layout)
+            layout: str = "contiguous", transport=None) -> SPAttention:
+    """``transport``: as for :class:`SPAttention` (``USP(config, ...)`` passes its config)."""
+    return SPAttention(group, None, group, "ring", stacked, strict, "ulysses", backend, layout, transport)
 
 
 def Ring(group, backend: str | None = None, layout: str = "contiguous") -> SPAttention:

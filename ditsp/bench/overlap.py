@@ -40,14 +40,13 @@ def _rank(ctx, model_name: str, grid, layers: int, planner: str, repeats: int, c
     cfg = model.cfg
     rts, out = {}, {}
     for mode in MODES:
-        comm = Comm.of(ctx.group)
-        tp.configure(comm, tp.TransportSettings(policy=mode, capacity_bytes=capacity))
-        rts[mode] = WindowRuntime(grid, cfg.window_methods, comm, planner, cfg.num_windows, torch.float64)
+        rts[mode] = WindowRuntime(grid, cfg.window_methods, Comm.of(ctx.group), planner, cfg.num_windows,
+                                  torch.float64, tp.TransportSettings(policy=mode, capacity_bytes=capacity))
         out[mode] = {"forward": [], "exchange": []}
     with torch.no_grad():
         for mode in MODES:  # warm-up: plans, caches, index tensors, agreement
             model(vid, txt, 1000.0, runtime=rts[mode])
-            out[mode]["chunks"] = tp.report(rts[mode].comm).get("chunks", 1)
+            out[mode]["chunks"] = rts[mode].transport.report().get("chunks", 1)
         for _ in range(repeats):
             for mode in MODES:
                 t0 = time.perf_counter()

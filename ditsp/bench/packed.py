@@ -145,7 +145,7 @@ def rank_window(ctx, cfg: dict) -> dict:
     for i, g in enumerate(grids):
         vid, txt = random_inputs(model.cfg, g, seed=i)
         reqs.append((vid, txt, 500.0))
-    pc = ParallelConfig.window(ctx.world_size) if ctx.world_size > 1 else None
+    pc = ParallelConfig.window(ctx.world_size, window_planner=cfg["planner"], window_path="window")
     sync = Comm.of(ctx.group)
     times = {"packed": [], "one-by-one": []}
     imb = {}
@@ -160,7 +160,7 @@ def rank_window(ctx, cfg: dict) -> dict:
             else:
                 worst = 0.0
                 for (vid, txt, ts), g in zip(reqs, grids):
-                    rt1 = parallelize(model.cfg, pc, g, ctx.group, cfg["planner"], path="window")
+                    rt1 = parallelize(model.cfg, pc, g, ctx.group)
                     with torch.no_grad():
                         model(vid, txt, ts, rt1)
                     worst = max(worst, max(p.imbalance for p in rt1.schedule.plans.values()))

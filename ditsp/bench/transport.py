@@ -76,9 +76,9 @@ def _ulysses_case(ctx, tokens: int, heads: int, head_dim: int, dtype):
     q, k, v = (torch.randn(1, lens[ctx.rank], heads, head_dim, generator=g).to(dtype) for _ in range(3))
     plan = head_plan(heads, heads, ctx.world_size)
 
-    def call(comm):
-        hq, hk, hv = to_heads(comm, plan, lens, q, k, v)
-        return to_seq(comm, plan, lens, hq)
+    def call(link):
+        hq, hk, hv = to_heads(link, plan, lens, q, k, v)
+        return to_seq(link, plan, lens, hq)
 
     return call
 
@@ -96,7 +96,7 @@ def _window_case(ctx, grid, width: int, dtype):
     t = sched.transition_between(methods[0], methods[1])
     rows = int(t.counts[ctx.rank].sum())
     x = torch.randn(rows, width, generator=torch.Generator().manual_seed(ctx.rank)).to(dtype)
-    return lambda comm: exchange(x, t, comm)
+    return lambda link: exchange(x, t, link)
 
 
 def rank_bench(ctx, cfg: dict) -> list[dict]:
@@ -117,20 +117,19 @@ def rank_bench(ctx, cfg: dict) -> list[dict]:
     rows = []
     peak_mem = PeakMemory(ctx.device)
     for name, tokens, call in cases:
-        comms = {}
-        for label, policy, capacity in _variants(cfg):
-            comms[label] = Comm(ctx.group)
-            tp.configure(comms[label], tp.TransportSettings(policy=policy, capacity_bytes=capacity))
-        res = {p: {"times": [], "rss": []} for p in comms}
+        links = {label: tp.Transport(Comm(ctx.group), tp.TransportSettings(policy=policy, capacity_bytes=capacity))
+                 for label, policy, capacity in _variants(cfg)}
+        res = {p: {"times": [], "rss": []} for p in links}
         for i in range(cfg["repeats"] + 1):  # call 0 pays the agreement
-            for policy, comm in comms.items():
+            for policy, link in links.items():
+                comm = link.comm
                 comm.stats.reset()
                 comm.staging_peak(reset=True)
-                tp.transport_of(comm).used.clear()
+                link.used.clear()
                 _barrier(comm)
                 peak_mem.start()
                 t0 = time.perf_counter()
-                out = call(comm)
+                out = call(link)
                 dt = time.perf_counter() - t0
                 r = res[policy]
                 r["rss"].append(peak_mem.peak_added())
@@ -143,10 +142,10 @@ def rank_bench(ctx, cfg: dict) -> list[dict]:
                 r["sent"] = sum(v["bytes_sent"] for k, v in st.items() if k.startswith(("ulysses", "window")))
                 r["calls"] = sum(v["calls"] for k, v in st.items() if k.startswith(("ulysses", "window")))
                 r["staging"] = comm.staging_peak()
-                r["report"] = tp.report(comm)
-                r["used"] = "+".join(f"{p}x{n}" for p, n in sorted(tp.transport_of(comm).used.items()))
+                r["report"] = link.report()
+                r["used"] = "+".join(f"{p}x{n}" for p, n in sorted(link.used.items()))
         # The agreement alone: the same small all-gather the transport issues on a new key.
-        c = next(iter(comms.values()))
+        c = next(iter(links.values())).comm
         n_ints = len(tp._FIXED) + 2 * ctx.world_size  # the transport's agreement vector
         c.all_gather_ints([0] * n_ints)
         _barrier(c)
@@ -154,7 +153,7 @@ def rank_bench(ctx, cfg: dict) -> list[dict]:
         for _ in range(20):
             c.all_gather_ints([0] * n_ints)
         agree_s = (time.perf_counter() - t0) / 20
-        for policy in comms:
+        for policy in links:
             r = res[policy]
             rows.append({"case": name, "tokens": tokens, "policy": policy, "first": r["first"],
                          "median": statistics.median(r["times"]), "min": min(r["times"]), "agree": agree_s,

@@ -154,7 +154,7 @@ def _quality(args, summary: dict) -> dict:
 
 
 def _sweep_output(output: str) -> None:
-    from ..io.video import sweep_temps
+    from ..io.write import sweep_temps
 
     sweep_temps(os.path.dirname(os.path.abspath(output)), output)
 
@@ -185,7 +185,7 @@ def parity_vs_one_device(req, summary: dict, threads: int) -> dict:
     import torch
 
     from ..engine import dispatch
-    from ..io.video import open_media
+    from ..io.probe import open_media
     from ..models.seedvr2.restore import rank_upscale
 
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(req.output))) as tmp:

@@ -88,7 +88,12 @@ class Comm:
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None, stats: CommStats | None = None) -> "Comm":
-        """The Comm of ``group``; ``None`` (or a one-rank group) is the single-device Comm."""
+        """The Comm of ``group``; ``None`` (or a one-rank group) is the single-device Comm; a Comm is itself
+        (``stats`` must then be None: the Comm keeps its own counters)."""
+        if isinstance(group, Comm):
+            if stats is not None and stats is not group.stats:
+                raise ValueError("Comm.of(comm, stats): a Comm keeps its own counters")
+            return group
         if group is None or dist.get_world_size(group) == 1:
             return cls.single(stats)
         return cls(group, stats)

@@ -52,6 +52,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ..memory import check_local_ranks
 
 LOOPBACK = "127.0.0.1"
 _START_S = 60.0  # start-up deadline floor (spawning and importing torch take seconds)
@@ -347,7 +348,6 @@ class LocalCluster:
             raise ValueError(f"threads must be an integer >= 1 (compute threads per rank), got {threads!r}")
         if not timeout_s or timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
-        from ..memory import check_local_ranks
 
         check_local_ranks(world_size, "world_size")  # before any process is spawned
         self.world_size = world_size

@@ -1,9 +1,15 @@
 """All-to-all transport: packed buffers moved by split sizes, whole or in bounded chunks.
 
-One entry point, :func:`all_to_all`, moves a packed send buffer (rows per
+One entry point, :meth:`Transport.all_to_all`, moves a packed send buffer (rows per
 peer, like ``all_to_all_single``) for the Ulysses codec
-(:mod:`ditsp.attention.ulysses`) and the window exchange
-(:mod:`ditsp.windows.exchange`). Policies (``docs/transport.md``):
+(:mod:`ditsp.attention.ulysses`), the window exchange
+(:mod:`ditsp.windows.exchange`) and every other all-to-all of ditsp. A
+:class:`Transport` is one group's transport as one user holds it: the
+:class:`~ditsp.distributed.comm.Comm`, the settings (the policy of every
+all-to-all it moves), the agreed plans and what the last call used. The
+runtime or attention object that moves rows owns its Transport; nothing is
+kept per Comm or per process, so two objects built from the same config
+behave alike whatever built them. Policies (``docs/transport.md``):
 
 - ``off``: one ``all_to_all_single`` of the rows that cross ranks;
 - ``chunked``: every crossing peer segment is cut into the same number of
@@ -42,7 +48,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import weakref
 import zlib
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
@@ -50,6 +55,7 @@ from typing import Hashable, Sequence
 import torch
 
 from .comm import Comm
+import numpy as np
 
 POLICIES = ("off", "auto", "chunked")
 LONG_TRAINING = ("auto", "chunked")
@@ -57,8 +63,8 @@ AGREE = ("key", "every")
 DEFAULT_CAPACITY = 1 << 30
 DEFAULT_GRAD_THRESHOLD = 512 << 20
 IN_FLIGHT = 2  # chunks in flight at once: each has its own send and receive stage
-ENV_POLICY = "DITSP_ULYSSES_A2A"
-ENV_LONG = "DITSP_ULYSSES_A2A_LONG_TRAINING"
+ENV_POLICY = "DITSP_A2A_POLICY"
+ENV_LONG = "DITSP_A2A_LONG_TRAINING"
 ENV_CAPACITY = "DITSP_A2A_CAPACITY_BYTES"
 ENV_AGREE = "DITSP_A2A_AGREE"
 _VERSION = 1
@@ -119,8 +125,8 @@ class TransportSettings:
                 values[name], src = default, "default"
             sources.append((name, src))
 
-        pick("policy", "ulysses_a2a", ENV_POLICY, str.lower, "auto")
-        pick("long_training", "ulysses_a2a_long_training", ENV_LONG, str.lower, "auto")
+        pick("policy", "a2a_policy", ENV_POLICY, str.lower, "auto")
+        pick("long_training", "a2a_long_training", ENV_LONG, str.lower, "auto")
         pick("capacity_bytes", "a2a_capacity_bytes", ENV_CAPACITY, int, DEFAULT_CAPACITY)
         values["agree"] = env.get(ENV_AGREE, "").strip().lower() or "key"
         for k, v in overrides.items():
@@ -131,28 +137,6 @@ class TransportSettings:
         except ValueError as e:
             where = ", ".join(f"{n} from {s}" for n, s in sources)
             raise ValueError(f"{e} ({where})") from None
-
-
-_DEFAULT: TransportSettings | None = None
-
-
-def configure(comm: Comm | None, config=None, **overrides) -> TransportSettings:
-    """Settings from a :class:`~ditsp.config.ParallelConfig` (or None: env/defaults) for ``comm``.
-
-    ``comm=None`` sets the process default for every Comm without its own settings. Collective in
-    spirit: call it on every rank of the group alike (it clears this rank's agreed cache).
-    """
-    global _DEFAULT
-    s = config if isinstance(config, TransportSettings) else TransportSettings.resolve(config, **overrides)
-    if comm is None:
-        _DEFAULT = s
-        for t in list(_TRANSPORTS.values()):
-            t.clear()
-    else:
-        t = transport_of(comm)
-        t.explicit = s
-        t.clear()
-    return s
 
 
 # -- sources: the packed send buffer, without building it -------------------------
@@ -365,15 +349,21 @@ def decide(vectors: list[list[int]], transpose: bool = False) -> Plan:
     return Plan("off", 1, f"auto: fits {cap} bytes of staging: one all-to-all", requested)
 
 
-# -- per-Comm state ----------------------------------------------------------------
+# -- one user's transport ------------------------------------------------------------
 
 
 class Transport:
-    """One Comm's transport: its settings, agreed plans (per key), what the last call used."""
+    """A group's all-to-all transport as one user holds it: the Comm, the settings, agreed plans (per key),
+    what the last call used.
 
-    def __init__(self, comm: Comm):
-        self.comm = weakref.ref(comm)
-        self.explicit: TransportSettings | None = None
+    ``settings``: a :class:`TransportSettings`, a config with the ``a2a_*`` fields
+    (:class:`~ditsp.config.ParallelConfig`), or None (the environment, then the defaults), resolved once
+    here. Build one per object that moves rows (a runtime, an attention strategy) on every rank alike.
+    """
+
+    def __init__(self, comm: Comm, settings=None):
+        self.comm = comm
+        self.settings = as_settings(settings)
         self.capable = True  # this rank can run chunked (tests flip it to simulate a rank that cannot)
         self.last: dict = {}
         self.agreements = 0
@@ -381,15 +371,31 @@ class Transport:
         self._agreed: dict = {}
         self._said: set = set()
 
-    @property
-    def settings(self) -> TransportSettings:
-        return self.explicit or _DEFAULT or TransportSettings.resolve()
+    @classmethod
+    def of(cls, link: "Transport | Comm") -> "Transport":
+        """``link`` itself, or a fresh Transport of a Comm (environment settings, nothing agreed yet)."""
+        return link if isinstance(link, Transport) else cls(link)
 
-    def clear(self) -> None:
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def configure(self, settings=None) -> TransportSettings:
+        """New settings (as for the constructor); clears the agreed plans. Call it on every rank alike."""
+        self.settings = as_settings(settings)
         self._agreed.clear()
+        return self.settings
+
+    def report(self) -> dict:
+        """What the last call used: policy, chunks, reason, settings and their sources."""
+        return dict(self.last)
 
     def plan(self, src, ins, outs, grad: bool, key: Hashable | None, recv_direct: bool = False) -> tuple[Plan, Plan]:
-        comm = self.comm()
+        comm = self.comm
         s = self.settings
         vec = _vector(s, self.capable, src, ins, outs, grad, recv_direct)
         # The cache key holds only what changes on every rank together: the caller's key (the global
@@ -414,25 +420,60 @@ class Transport:
             self._agreed[ck] = plans
         return plans
 
+    def all_to_all(self, send, input_splits: Sequence[int], output_splits: Sequence[int],
+                   kind: str = "all_to_all", *, place: "Placement | None" = None,
+                   key: Hashable | None = None, grad: bool | None = None) -> torch.Tensor:
+        """Move packed rows: ``input_splits[p]`` rows to peer p, ``output_splits[r]`` rows from rank r.
 
-_TRANSPORTS: "weakref.WeakKeyDictionary[Comm, Transport]" = weakref.WeakKeyDictionary()
+        ``send``: a tensor (its rows are the packed buffer), :class:`Rows` (rows picked by an index), or
+        any source with the same methods (``rows``, ``row_shape``, ``dtype``, ``device``, ``planes``,
+        ``requires_grad``, ``materialize``, ``view_rows``, ``copy_rows``) that packs on demand. ``place``:
+        put received row j at ``out[place.index[j]]`` instead of returning rows in peer order (``Rows``
+        sources only). ``key``: a hashable that determines the global exchange on every rank (e.g.
+        :func:`matrix_key`); with it the agreement is cached, without it every call agrees. ``grad``:
+        whether the operand belongs to training (default: it requires grad, or this runs inside a
+        backward pass). Returns a new tensor.
+        """
+        comm = self.comm
+        src = send if not isinstance(send, torch.Tensor) else Rows(send)
+        ins, outs = [int(v) for v in input_splits], [int(v) for v in output_splits]
+        if len(ins) != comm.world_size or len(outs) != comm.world_size:
+            raise ValueError(f"splits need {comm.world_size} entries, got {len(ins)} and {len(outs)}")
+        if sum(ins) != src.rows:
+            raise ValueError(f"rank {comm.rank}: input splits sum to {sum(ins)} rows, the operand has {src.rows}")
+        if place is not None and (not isinstance(src, Rows) or place.index.numel() != sum(outs)):
+            raise ValueError(f"rank {comm.rank}: a placement needs a Rows source and one position per received "
+                             f"row ({sum(outs)}), got {place.index.numel()}")
+        tracked = src.requires_grad and torch.is_grad_enabled()
+        if grad is None:
+            grad = src.requires_grad or torch._C._current_graph_task_id() != -1
+        if comm.world_size == 1:
+            plans = (Plan("off", 1, "one rank", "off"),) * 2
+        else:
+            plans = self.plan(src, ins, outs, bool(grad), key, receives_in_place(place, outs, comm.rank))
+        plan = plans[0]
+        if tracked:
+            out = _A2A.apply(comm, plan, plans[1], ins, outs, kind, src.materialize())
+            if place is not None:
+                out = out.new_empty(out.shape).index_copy(0, place.index, out)
+        else:
+            out = _execute(comm, plan, src, ins, outs, kind, place)
+        if comm.world_size > 1:
+            s = self.settings
+            self.last = {"policy": plan.policy, "chunks": plan.chunks, "requested": plan.requested,
+                         "reason": plan.reason, "capacity_bytes": s.capacity_bytes, "long_training": s.long_training,
+                         "sources": dict(s.sources), "kind": kind}
+            self.used[plan.policy] = self.used.get(plan.policy, 0) + 1
+        return out
 
 
-def transport_of(comm: Comm) -> Transport:
-    t = _TRANSPORTS.get(comm)
-    if t is None:
-        t = _TRANSPORTS[comm] = Transport(comm)
-    return t
-
-
-def report(comm: Comm) -> dict:
-    """What the last transport call on ``comm`` used: policy, chunks, reason, settings and their sources."""
-    return dict(transport_of(comm).last)
+def as_settings(settings=None) -> TransportSettings:
+    """A :class:`TransportSettings` as given, or resolved from a config with ``a2a_*`` fields (None: env)."""
+    return settings if isinstance(settings, TransportSettings) else TransportSettings.resolve(settings)
 
 
 def matrix_key(counts) -> bytes:
     """A key for a global count matrix (every rank holds the same one)."""
-    import numpy as np
 
     a = np.ascontiguousarray(counts, dtype=np.int64)
     return hashlib.sha1(a.tobytes() + str(a.shape).encode()).digest()
@@ -579,51 +620,3 @@ class _A2A(torch.autograd.Function):
     def backward(ctx, g):
         comm, plan_t, ins, outs, kind = ctx.saved
         return (None,) * 6 + (_execute(comm, plan_t, Rows(g.contiguous()), outs, ins, kind + "_bwd", None),)
-
-
-def all_to_all(comm: Comm, send, input_splits: Sequence[int], output_splits: Sequence[int],
-               kind: str = "all_to_all", *, place: Placement | None = None,
-               key: Hashable | None = None, grad: bool | None = None) -> torch.Tensor:
-    """Move packed rows: ``input_splits[p]`` rows to peer p, ``output_splits[r]`` rows from rank r.
-
-    ``send``: a tensor (its rows are the packed buffer), :class:`Rows` (rows picked by an index), or
-    any source with the same methods (``rows``, ``row_shape``, ``dtype``, ``device``, ``planes``,
-    ``requires_grad``, ``materialize``, ``view_rows``, ``copy_rows``) that packs on demand. ``place``:
-    put received row j at ``out[place.index[j]]`` instead of returning rows in peer order (``Rows``
-    sources only). ``key``: a hashable that determines the global exchange on every rank (e.g.
-    :func:`matrix_key`); with it the agreement is cached, without it every call agrees. ``grad``:
-    whether the operand belongs to training (default: it requires grad, or this runs inside a
-    backward pass). Returns a new tensor.
-    """
-    src = send if not isinstance(send, torch.Tensor) else Rows(send)
-    ins, outs = [int(v) for v in input_splits], [int(v) for v in output_splits]
-    if len(ins) != comm.world_size or len(outs) != comm.world_size:
-        raise ValueError(f"splits need {comm.world_size} entries, got {len(ins)} and {len(outs)}")
-    if sum(ins) != src.rows:
-        raise ValueError(f"rank {comm.rank}: input splits sum to {sum(ins)} rows, the operand has {src.rows}")
-    if place is not None and (not isinstance(src, Rows) or place.index.numel() != sum(outs)):
-        raise ValueError(f"rank {comm.rank}: a placement needs a Rows source and one position per received row "
-                         f"({sum(outs)}), got {place.index.numel()}")
-    tracked = src.requires_grad and torch.is_grad_enabled()
-    if grad is None:
-        grad = src.requires_grad or torch._C._current_graph_task_id() != -1
-    if comm.world_size == 1:
-        plans = (Plan("off", 1, "one rank", "off"),) * 2
-        t = None
-    else:
-        t = transport_of(comm)
-        plans = t.plan(src, ins, outs, bool(grad), key, receives_in_place(place, outs, comm.rank))
-    plan = plans[0]
-    if tracked:
-        out = _A2A.apply(comm, plan, plans[1], ins, outs, kind, src.materialize())
-        if place is not None:
-            out = out.new_empty(out.shape).index_copy(0, place.index, out)
-    else:
-        out = _execute(comm, plan, src, ins, outs, kind, place)
-    if t is not None:
-        s = t.settings
-        t.last = {"policy": plan.policy, "chunks": plan.chunks, "requested": plan.requested, "reason": plan.reason,
-                  "capacity_bytes": s.capacity_bytes, "long_training": s.long_training,
-                  "sources": dict(s.sources), "kind": kind}
-        t.used[plan.policy] = t.used.get(plan.policy, 0) + 1
-    return out

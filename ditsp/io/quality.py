@@ -14,16 +14,19 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from .probe import open_media
+import os
+import tempfile
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    from skimage.metrics import peak_signal_noise_ratio
+    from skimage.metrics import peak_signal_noise_ratio  # local: a heavy optional package, loaded only when this runs
 
     return float(peak_signal_noise_ratio(b, a, data_range=255))
 
 
 def ssim(a: np.ndarray, b: np.ndarray) -> float:
-    from skimage.metrics import structural_similarity
+    from skimage.metrics import structural_similarity  # local: a heavy optional package, loaded only when this runs
 
     return float(structural_similarity(b, a, data_range=255, channel_axis=-1))
 
@@ -77,7 +80,6 @@ def format_report(q: dict) -> str:
 
 def read_frames(path: str) -> np.ndarray:
     """Every frame of a video, image or frame folder as (T, H, W, 3) uint8."""
-    from .video import open_media
 
     _, chunks = open_media(path)
     frames = torch.cat([c if c.dim() == 4 else c[None] for c in chunks])  # (T, 3, H, W)
@@ -87,10 +89,10 @@ def read_frames(path: str) -> np.ndarray:
 def plot_compare(source: np.ndarray, restored: np.ndarray, reference: np.ndarray, path: str, q: dict,
                  columns: int = 4) -> None:
     """Rows: the input (bicubic to the output size), the restored frames, the clean original."""
-    import matplotlib
+    import matplotlib  # local: a heavy optional package, loaded only when this runs
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # local: a heavy optional package, loaded only when this runs
 
     t = restored.shape[0]
     idx = sorted({int(round(i * (t - 1) / max(1, columns - 1))) for i in range(columns)})
@@ -109,8 +111,6 @@ def plot_compare(source: np.ndarray, restored: np.ndarray, reference: np.ndarray
             if i == 0:
                 ax.set_title(f"frame {k}", fontsize=8)
     fig.tight_layout()
-    import os
-    import tempfile
 
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".quality.", suffix=".png", dir=folder)  # written whole, then renamed

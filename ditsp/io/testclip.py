@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from .formats import WRITE_VIDEO_EXTS, container
-from .video import _fail, _to_fraction, atomic_path, video_encoder
+from .media import _fail, _to_fraction
+from .write import atomic_path, video_encoder
 
 __all__ = ["make_test_clip", "scene_frame", "scene_frames"]
 

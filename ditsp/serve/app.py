@@ -97,7 +97,7 @@ def _inside(path: str, folders: list[str]) -> bool:
 
 
 def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
-    from ..io.video import IMAGE_EXTS, VIDEO_EXTS
+    from ..io.formats import IMAGE_EXTS, VIDEO_EXTS
     from .controller import Controller
     from .metrics import Metrics
 
@@ -227,7 +227,8 @@ def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
 
     @app.post("/v1/jobs", status_code=201)
     def submit(file: UploadFile | None = File(None), path: str | None = Form(None), options: str = Form("{}")):
-        from ..io.video import MediaError, probe
+        from ..io.media import MediaError
+        from ..io.probe import probe
 
         if (file is None) == (path is None):
             raise _bad(400, "give exactly one of: an uploaded 'file', or a 'path' under an allowed input folder")

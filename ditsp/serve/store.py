@@ -129,7 +129,7 @@ class JobStore:
         try:
             for d in (self.uploads, self.results):
                 prepare_dir(d)
-            from ..io.video import sweep_temps
+            from ..io.write import sweep_temps
 
             sweep_temps(self.results)  # half-written results of a server that was killed
             # this server's name in the rows it claims: a restart re-queues only jobs of owners that are gone

@@ -183,7 +183,7 @@ def share_weights(spec, comm: Comm) -> dict:
 
 def request_grids(req) -> list[tuple[int, int, int]]:
     """The DiT grids a request's windows use (for warming the plan cache at a new degree)."""
-    from ..io.video import count_frames, probe
+    from ..io.probe import count_frames, probe
     from ..models.seedvr2.pipeline import frame_geometry, plan_windows
     from ..models.seedvr2.pipeline.padding import padded_length
 
@@ -209,8 +209,8 @@ def replan(spec, grids, planner: str, comm: Comm) -> dict:
     world = comm.world_size
     if models is not None:
         for grid in grids:
-            parallelize(models.dit.cfg, ParallelConfig.window(world), tuple(grid),
-                        comm.group, planner)
+            parallelize(models.dit.cfg, ParallelConfig.window(world, window_planner=planner), tuple(grid),
+                        comm.group)
     return {"replan_s": time.perf_counter() - t0, "grids": len(grids)}
 
 
@@ -226,12 +226,12 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
     if ifname:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
     torch.set_num_threads(threads)
-    import tqdm
+    import tqdm  # local: imported in the worker process only, which swaps in its progress reporter
 
     tqdm.tqdm = _Progress  # rank_upscale's progress bar reports to the server instead of a terminal
     _Progress.shared = progress
     # import what a job needs now, so neither a job nor a joining rank pays for it later
-    from ..io import video  # noqa: F401
+    from ..io import probe, read, write  # noqa: F401
     from ..models.seedvr2 import parallelize, restore  # noqa: F401
     from ..models.seedvr2.vae import sharded  # noqa: F401
 

@@ -228,6 +228,7 @@ class ChosenRuntime:
 
     # the protocol, delegated explicitly (isinstance(…, SPRuntime) and attribute writes stay on the runtime)
     comm = property(lambda self: self._rt.comm)
+    transport = property(lambda self: self._rt.transport)
     rank = property(lambda self: self._rt.rank)
     world_size = property(lambda self: self._rt.world_size)
     dtype = property(lambda self: self._rt.dtype)

@@ -54,6 +54,7 @@ from ..attention.window import WindowPack, window_attention
 from ..distributed.agree import agree
 from ..distributed.autograd import all_reduce_sum, connect_empty, replicated_gather
 from ..distributed.comm import Comm
+from ..distributed.transport import Transport
 from ..fixed_shape import DEFAULT
 from ..windows.exchange import exchange
 from ..windows.geometry import NUM_WINDOWS, WindowLayout, canonical_method, check_grid, short_name, window_layout
@@ -213,8 +214,9 @@ class HaloSlabRuntime:
 
     def __init__(self, grid: Sequence[int], layer_methods: Sequence[str], comm: Comm,
                  num_windows: Sequence[int] = NUM_WINDOWS, dtype: torch.dtype = torch.float32,
-                 blocks: tuple[int, int] | None = None):
+                 blocks: tuple[int, int] | None = None, transport=None):
         self.comm, self.rank, self.world_size, self.dtype = comm, comm.rank, comm.world_size, dtype
+        self.transport = Transport(comm, transport)  # the halo and handoff exchanges' settings
         methods = [canonical_method(m) for m in layer_methods]
         agree(comm, "the halo-slab request (grid, schedule, windows, blocks, dtype, world size)",
               {"grid": [int(v) for v in grid], "schedule": [short_name(m) for m in methods],
@@ -262,10 +264,10 @@ class HaloSlabRuntime:
     def scatter_rows(self, x_rows: torch.Tensor, src: RowOwnership, patch) -> torch.Tensor:
         """This rank's rows of ``src`` -> its slab's patched rows, one exchange."""
         self.current = self.plan.layer_methods[0]
-        return rows_to_tokens(x_rows, src, self.plan.slabs, patch, self.comm)
+        return rows_to_tokens(x_rows, src, self.plan.slabs, patch, self.transport)
 
     def gather_rows(self, y_local: torch.Tensor, dst: RowOwnership, patch) -> torch.Tensor:
-        return tokens_to_rows(y_local, self.plan.slabs, dst, patch, self.comm)
+        return tokens_to_rows(y_local, self.plan.slabs, dst, patch, self.transport)
 
     def enter_layer(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         """Rows stay on their slab: only attention borrows halo rows."""
@@ -278,13 +280,13 @@ class HaloSlabRuntime:
         """Fetch halo Q/K/V -> attention over whole windows -> outputs back to the slab owners."""
         method = self.current
         n, heads, dim = q.shape
-        qkv = exchange(torch.stack((q, k, v), 1), self.plan.fetch(method), self.comm)  # (m, 3, H, D)
+        qkv = exchange(torch.stack((q, k, v), 1), self.plan.fetch(method), self.transport)  # (m, 3, H, D)
         q_, k_, v_ = qkv.unbind(1)
         out, tsum = window_attention(q_, k_, v_, tq, tk, tv, pack, rope)
         if pack.num_rows == 0:  # no window here: stay in the backward graph (ditsp.distributed.autograd)
             out, tsum = connect_empty(out, tsum, q_, k_, v_, tq, tk, tv)
         del qkv, q_, k_, v_
-        return exchange(out, self.plan.give_back(method), self.comm), tsum
+        return exchange(out, self.plan.give_back(method), self.transport), tsum
 
     def reduce_text(self, txt_sum: torch.Tensor, layer: int) -> torch.Tensor:
         """Plain mean over all windows: local sums, one SUM all-reduce, / window count."""

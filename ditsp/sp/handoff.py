@@ -18,22 +18,24 @@ from typing import Sequence
 
 import torch
 
-from ..distributed.comm import Comm
+from ..distributed.transport import Transport
 from ..windows.exchange import exchange
 from ..windows.ownership import RowOwnership, ownership_transition
 
 
 def rows_to_tokens(x_local: torch.Tensor, src: RowOwnership, tokens: RowOwnership, patch: Sequence[int],
-                   comm: Comm) -> torch.Tensor:
-    """``(n_pixels, C)`` rows held as ``src`` -> this rank's ``(n_tokens, P*C)`` patched rows as ``tokens``."""
+                   link: Transport) -> torch.Tensor:
+    """``(n_pixels, C)`` rows held as ``src`` -> this rank's ``(n_tokens, P*C)`` patched rows as ``tokens``.
+
+    ``link``: the runtime's Transport."""
     dst = tokens.refine(patch)
-    y = exchange(x_local, ownership_transition(src, dst), comm)
+    y = exchange(x_local, ownership_transition(src, dst), link)
     return y.reshape(-1, math.prod(patch) * x_local.shape[-1])
 
 
 def tokens_to_rows(y_local: torch.Tensor, tokens: RowOwnership, dst: RowOwnership, patch: Sequence[int],
-                   comm: Comm) -> torch.Tensor:
+                   link: Transport) -> torch.Tensor:
     """This rank's ``(n_tokens, P*C)`` rows held as ``tokens`` -> ``(n_pixels, C)`` rows held as ``dst``."""
     P = math.prod(patch)
     src = tokens.refine(patch)
-    return exchange(y_local.reshape(-1, y_local.shape[-1] // P), ownership_transition(src, dst), comm)
+    return exchange(y_local.reshape(-1, y_local.shape[-1] // P), ownership_transition(src, dst), link)

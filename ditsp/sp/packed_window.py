@@ -32,6 +32,7 @@ import torch
 from ..attention.window import segment_attention
 from ..distributed.agree import agree
 from ..distributed.comm import Comm
+from ..distributed.transport import Transport
 from ..fixed_shape import DEFAULT
 from ..windows.exchange import exchange
 from ..windows.geometry import NUM_WINDOWS, canonical_method, short_name
@@ -72,8 +73,9 @@ class PackedWindowRuntime:
 
     def __init__(self, grids: Sequence[Sequence[int]], layer_methods: Sequence[str], comm: Comm,
                  text_lens: Sequence[int], planner: str = "lpt", num_windows: Sequence[int] = NUM_WINDOWS,
-                 dtype: torch.dtype = torch.float64):
+                 dtype: torch.dtype = torch.float64, transport=None):
         self.comm = comm
+        self.transport = Transport(comm, transport)  # the layout exchanges' settings
         self.rank, self.world_size = comm.rank, comm.world_size
         self.dtype = dtype
         self.grids = tuple(tuple(int(v) for v in g) for g in grids)
@@ -164,7 +166,7 @@ class PackedWindowRuntime:
             raise RuntimeError("scatter() the input before entering a layer")
         required = self._methods[layer]
         if required != self.current:
-            x = exchange(x, transition(self.plans[self.current], self.plans[required]), self.comm)
+            x = exchange(x, transition(self.plans[self.current], self.plans[required]), self.transport)
         self.current = required
         return x
 

@@ -30,6 +30,7 @@ import torch
 
 from ..attention.window import WindowPack
 from ..distributed.comm import Comm
+from ..distributed.transport import Transport
 from ..fixed_shape import DEFAULT, KernelShapes
 from ..windows.ownership import RowOwnership
 
@@ -41,6 +42,7 @@ class SPRuntime(Protocol):
     """What a window-attention model calls; see the module docstring for the order."""
 
     comm: Comm  # the SP group, with counted collectives
+    transport: Transport  # the policy and agreed plans of this runtime's all-to-alls (over ``comm``)
     rank: int
     world_size: int
     dtype: torch.dtype  # dtype of the text reduction (agreed by every rank)

@@ -25,6 +25,7 @@ from ..attention.ulysses import head_plan, head_to_seq, seq_to_head
 from ..attention.window import WindowPack, window_attention
 from ..distributed.agree import agree
 from ..distributed.comm import Comm
+from ..distributed.transport import Transport
 from ..windows.geometry import NUM_WINDOWS, canonical_method, short_name
 from ..windows.schedule import plan_schedule
 from ..windows.ownership import RowOwnership
@@ -36,8 +37,9 @@ class UlyssesWindowRuntime(ScheduleRuntime):
     """Contiguous token shards + head-sharded window attention; implements :class:`SPRuntime`."""
 
     def __init__(self, grid: Sequence[int], layer_methods: Sequence[str], heads: int, comm: Comm,
-                 num_windows: Sequence[int] = NUM_WINDOWS, dtype: torch.dtype = torch.float32):
+                 num_windows: Sequence[int] = NUM_WINDOWS, dtype: torch.dtype = torch.float32, transport=None):
         self.comm, self.rank, self.world_size, self.dtype = comm, comm.rank, comm.world_size, dtype
+        self.transport = Transport(comm, transport)  # the head all-to-alls' and handoffs' settings
         methods = [canonical_method(m) for m in layer_methods]
         agree(comm, "the Ulysses window request (grid, schedule, heads, world size)",
               {"grid": list(grid), "schedule": [short_name(m) for m in methods], "heads": heads,
@@ -68,10 +70,10 @@ class UlyssesWindowRuntime(ScheduleRuntime):
     def scatter_rows(self, x_rows: torch.Tensor, src: RowOwnership, patch) -> torch.Tensor:
         """This rank's rows of ``src`` -> its contiguous patched shard, one exchange."""
         self.current = self.schedule.layer_methods[0]
-        return rows_to_tokens(x_rows, src, self._ownership(), patch, self.comm)
+        return rows_to_tokens(x_rows, src, self._ownership(), patch, self.transport)
 
     def gather_rows(self, y_local: torch.Tensor, dst: RowOwnership, patch) -> torch.Tensor:
-        return tokens_to_rows(y_local, self._ownership(), dst, patch, self.comm)
+        return tokens_to_rows(y_local, self._ownership(), dst, patch, self.transport)
 
     def _ownership(self) -> RowOwnership:
         if "own" not in self._orders:
@@ -97,7 +99,7 @@ class UlyssesWindowRuntime(ScheduleRuntime):
         h0, h1 = self.heads.q[self.rank]
         ranges = [self.heads.q] * 3
         q_, k_, v_ = (t[0].transpose(0, 1) for t in seq_to_head(
-            self.comm, [q[None], k[None], v[None]], ranges, self.rows, kind="ulysses_qkv"))
+            self.transport, [q[None], k[None], v[None]], ranges, self.rows, kind="ulysses_qkv"))
         order = self._order(self.current)
         q_, k_, v_ = (t.index_select(0, order) for t in (q_, k_, v_))
         heads = slice(h0, h1)
@@ -105,7 +107,7 @@ class UlyssesWindowRuntime(ScheduleRuntime):
                                      pack, rope)
         canonical = torch.empty_like(out)
         canonical[order] = out
-        out = head_to_seq(self.comm, [canonical.transpose(0, 1)[None]], [self.heads.q], self.rows,
+        out = head_to_seq(self.transport, [canonical.transpose(0, 1)[None]], [self.heads.q], self.rows,
                           [self.heads.heads], kind="ulysses_out")[0][0]
         if tsum is not None:  # (L, h, D) of my heads -> (L, H, D)
             parts = self.comm.all_gather_rows(tsum.transpose(0, 1).contiguous(), self.head_shares, kind="text_heads")

@@ -34,6 +34,7 @@ from ..attention.window import WindowPack, window_attention
 from ..distributed.agree import agree
 from ..distributed.autograd import all_reduce_sum, connect_empty, replicated_gather
 from ..distributed.comm import Comm
+from ..distributed.transport import Transport
 from ..windows.exchange import exchange
 from ..windows.geometry import NUM_WINDOWS, canonical_method, short_name
 from ..windows.plan import Plan
@@ -54,8 +55,10 @@ class WindowRuntime(ScheduleRuntime):
         planner: str = "lpt",
         num_windows: Sequence[int] = NUM_WINDOWS,
         dtype: torch.dtype = torch.float32,
+        transport=None,
     ):
         self.comm = comm
+        self.transport = Transport(comm, transport)  # the layout exchanges' and handoffs' settings
         self.exposed_s = 0.0
         self.rank, self.world_size = comm.rank, comm.world_size
         self.dtype = dtype
@@ -119,12 +122,12 @@ class WindowRuntime(ScheduleRuntime):
         """This rank's rows of ``src`` (a fine-grid ownership) -> its patched rows of layer 0, one exchange."""
         self.current = self.schedule.layer_methods[0]
         self.exposed_s = 0.0
-        return rows_to_tokens(x_rows, src, self._ownership(self.current), patch, self.comm)
+        return rows_to_tokens(x_rows, src, self._ownership(self.current), patch, self.transport)
 
     def gather_rows(self, y_local: torch.Tensor, dst: RowOwnership, patch) -> torch.Tensor:
         """This rank's output rows -> its rows of ``dst`` (a fine-grid ownership), one exchange."""
         tokens = self._ownership(self.current)
-        return tokens_to_rows(y_local, tokens, dst, patch, self.comm)
+        return tokens_to_rows(y_local, tokens, dst, patch, self.transport)
 
     def _ownership(self, method: str) -> RowOwnership:
         """The row ownership of ``method``'s plan, built once per runtime (its transitions are cached by it)."""
@@ -139,7 +142,7 @@ class WindowRuntime(ScheduleRuntime):
         if current != required:
             t0 = time.perf_counter()
             t = self.schedule.transition_between(current, required)
-            x = exchange(x, t, self.comm)
+            x = exchange(x, t, self.transport)
             self.exposed_s += time.perf_counter() - t0
         self.current = required
         return x

@@ -30,7 +30,7 @@ HELD_OUT = "chelsea"
 
 def photograph(name: str) -> np.ndarray:
     """A bundled scikit-image photograph as (H, W, 3) uint8 (grey replicated, alpha dropped)."""
-    import skimage.data
+    import skimage.data  # local: a heavy optional package, loaded only when this runs
 
     if name in (HELD_OUT, "cat") and name != HELD_OUT:
         raise ValueError(f"{name!r} is the held-out image")
@@ -188,7 +188,7 @@ def held_out_clip(frames: int, size: tuple[int, int], seed: int = 1234, degradat
     """(degraded at 1/scale size, clean) clip of the held-out photograph: the pipeline's input and reference.
 
     The degraded clip is returned at the low resolution (before the bicubic upscale), as a user's input."""
-    import skimage.data
+    import skimage.data  # local: a heavy optional package, loaded only when this runs
 
     g = torch.Generator().manual_seed(seed)
     clean = pan_clip(np.ascontiguousarray(skimage.data.chelsea()), frames, size, g, zoom=(0.6, 0.6))

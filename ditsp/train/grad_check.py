@@ -44,8 +44,9 @@ def model_grads(spec: GradSpec, group=None) -> dict[str, torch.Tensor]:
     vid, txt = random_inputs(model.cfg, spec.grid, seed=spec.seed + 1)
     vid, txt = vid.to(dtype).requires_grad_(True), txt.to(dtype).requires_grad_(True)
     world = 1 if group is None else torch.distributed.get_world_size(group)
-    pc = ParallelConfig.window(world, window_planner=spec.planner, deterministic=spec.deterministic)
-    rt = parallelize(model.cfg, pc, spec.grid, group, spec.planner if spec.path == "window" else None, spec.path)
+    pc = ParallelConfig.window(world, window_planner=spec.planner if spec.path == "window" else None,
+                               window_path=spec.path, deterministic=spec.deterministic)
+    rt = parallelize(model.cfg, pc, spec.grid, group)
     out = model(vid, txt, 1000.0, runtime=rt)
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(spec.seed + 2)).to(out.dtype)
     (out * w).float().sum().backward()

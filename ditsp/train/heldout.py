@@ -15,6 +15,8 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from ..io.write import write_image, write_video
+from .data import held_out_clip, to_u8
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,8 +29,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--overwrite", action="store_true")
     a = ap.parse_args(argv)
-    from ..io.video import write_image, write_video
-    from .data import held_out_clip, to_u8
 
     w, h = (int(v) for v in a.size.lower().split("x"))
     low, clean = held_out_clip(a.frames, (h, w), a.seed)

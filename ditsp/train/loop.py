@@ -32,6 +32,10 @@ from ..models.seedvr2.vae.model import VideoVAE
 from . import checkpoint as ckpt
 from .data import ClipPairs
 from .objective import OBJECTIVES, check_vae_training, dit_loss, vae_loss
+from ..models.seedvr2.weights import MODELS, seeded_vae
+from ..models.seedvr2.vae.checkpoint import load_checkpoint as load_vae
+import math
+from dataclasses import replace
 
 
 @dataclass
@@ -84,8 +88,6 @@ def text_embedding(model: NaDiT, seed: int = 0) -> torch.Tensor:
 
 def build(cfg: TrainConfig):
     """(dit, vae, the trainable modules by name, their parameters) of ``cfg``, fp32."""
-    from ..models.seedvr2.weights import MODELS, seeded_vae
-    from ..models.seedvr2.vae.checkpoint import load_checkpoint as load_vae
 
     dit = build_model(cfg.model, checkpoint=cfg.dit, seed=0)
     vae_cfg = VAE_PRESETS[MODELS[cfg.model]]
@@ -110,7 +112,6 @@ def build(cfg: TrainConfig):
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
     """Linear warm-up, then cosine decay to 10% over the run."""
-    import math
 
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -142,9 +143,9 @@ class Trainer:
             from ..models.seedvr2.parallelize import parallelize
 
             grid = self.dit.grid_of(latent_shape)
-            pc = ParallelConfig.window(self.comm.world_size, window_planner=self.cfg.planner)
-            self._runtime = parallelize(self.dit.cfg, pc, grid, self.group,
-                                        self.cfg.planner if self.cfg.path == "window" else None, self.cfg.path)
+            pc = ParallelConfig.window(self.comm.world_size, window_path=self.cfg.path,
+                                       window_planner=self.cfg.planner if self.cfg.path == "window" else None)
+            self._runtime = parallelize(self.dit.cfg, pc, grid, self.group)
         return self._runtime
 
     def loss(self, step: int) -> torch.Tensor:
@@ -191,6 +192,7 @@ class Trainer:
             self.restore()
         bar = None
         if cfg.progress and self.rank0:
+            # local: read when the job runs (serve/workers.py swaps in its progress reporter first)
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {cfg.objective}", file=sys.stderr,
@@ -223,10 +225,10 @@ class Trainer:
 
 
 def plot_losses(losses: list[float], path: Path, title: str) -> None:
-    import matplotlib
+    import matplotlib  # local: a heavy optional package, loaded only when this runs
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # local: a heavy optional package, loaded only when this runs
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(range(1, len(losses) + 1), losses, lw=0.8, alpha=0.5, label="step")
@@ -256,7 +258,6 @@ def rank_check(ctx, cfg: TrainConfig) -> dict:
 
 def check(cfg: TrainConfig, sp_results: dict) -> dict:
     """One step on this device vs ``sp_results`` (rank 0's :func:`rank_check`): max gradient difference."""
-    from dataclasses import replace
 
     one = Trainer(replace(cfg, sp=1))
     loss = one.gradients(0)

@@ -150,7 +150,7 @@ def _gguf_shape(reader, t) -> tuple[int, ...]:
 
 def open_gguf(path: str) -> Checkpoint:
     try:
-        import gguf
+        import gguf  # local: a heavy optional package, loaded only when this runs
     except ImportError:  # pragma: no cover - a declared dependency
         raise FormatError(f"{path}: reading GGUF needs the gguf package (pip install gguf)") from None
     try:

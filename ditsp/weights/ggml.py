@@ -19,14 +19,14 @@ FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def qtype(name: str):
-    import gguf
+    import gguf  # local: a heavy optional package, loaded only when this runs
 
     return gguf.GGMLQuantizationType[name]
 
 
 def block(name: str) -> tuple[int, int]:
     """(values per block, bytes per block) of a GGUF type."""
-    import gguf
+    import gguf  # local: a heavy optional package, loaded only when this runs
 
     return gguf.GGML_QUANT_SIZES[qtype(name)]
 
@@ -50,7 +50,7 @@ def chunk_bytes() -> int:
 def dequantize(raw: torch.Tensor, fmt: str, shape, dtype: torch.dtype) -> torch.Tensor:
     """The weight of ``shape`` in ``dtype`` on ``raw``'s device, from GGUF blocks ``raw`` (uint8),
     dequantized in chunks of rows into one output tensor."""
-    import gguf
+    import gguf  # local: a heavy optional package, loaded only when this runs
 
     host = raw.detach().cpu().numpy()
     host = host.reshape(-1, host.shape[-1]) if host.ndim else host.reshape(1, -1)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .formats import GGUF_ORIG_SHAPE
+from .ggml import block, qtype
 
 QK_K = 256
 
@@ -76,9 +77,8 @@ _OWN = {"Q4_K": _encode_q4_k, "Q6_K": _encode_q6_k}
 
 def encode(a: np.ndarray, fmt: str) -> np.ndarray:
     """Rows ``a`` (..., n) float32 as GGUF type ``fmt`` blocks (uint8 (..., bytes))."""
-    import gguf
+    import gguf  # local: a heavy optional package, loaded only when this runs
 
-    from .ggml import block, qtype
 
     per, size = block(fmt)
     if a.shape[-1] % per:
@@ -116,9 +116,8 @@ def write_gguf(path: str | os.PathLike, tensors: Iterable[tuple[str, "torch.Tens
                prefix: str = "model.diffusion_model.", arch: str = "seedvr2") -> str:
     """Write ``(name, tensor, fmt)`` triples (fmt "F32"/"F16"/"BF16" or a quantized type) atomically,
     one tensor in memory at a time (a :class:`Lazy` tensor is made when it is written)."""
-    import gguf
+    import gguf  # local: a heavy optional package, loaded only when this runs
 
-    from .ggml import block, qtype
 
     items = list(tensors)
     path = os.fspath(path)

@@ -20,6 +20,7 @@ from torch import nn
 from . import fp8 as _fp8
 from .quantized import QuantSpec, attach, dequantize
 from .stored import StoredTensor
+from .quantized import quantized_weights
 
 
 @dataclass
@@ -146,7 +147,6 @@ def assign(model: nn.Module, kept: Mapping[str, Kept], compute_dtype: torch.dtyp
 def targets_of(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of ``model`` by its plain name (a quantized weight under the name
     of the weight it stands for, as a meta tensor of its logical shape)."""
-    from .quantized import quantized_weights
 
     out = dict(model.named_parameters(remove_duplicate=False))
     out.update(dict(model.named_buffers(remove_duplicate=False)))

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import fp8 as _fp8
+from . import ggml
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,6 @@ def dequantize(raw: torch.Tensor, spec: QuantSpec, dtype: torch.dtype) -> torch.
     """The weight ``spec`` describes, from its stored bytes ``raw``, in ``dtype`` on ``raw``'s device."""
     if spec.fmt in _fp8.FORMATS:
         return _fp8.dequantize(raw, spec.fmt, spec.shape, spec.scale, dtype)
-    from . import ggml
 
     return ggml.dequantize(raw, spec.fmt, spec.shape, dtype)
 
@@ -56,7 +56,6 @@ def buffer_bytes(spec: QuantSpec, dtype: torch.dtype) -> int:
     out = spec.numel * torch.empty(0, dtype=dtype).element_size()
     if spec.fmt in _fp8.FORMATS:
         return out
-    from . import ggml
 
     return out + ggml.chunk_bytes()
 

@@ -18,6 +18,7 @@ import torch
 from . import fp8 as _fp8
 from . import ggml as _ggml
 from .gguf_write import q4_k_m, q8_0
+from .formats import open_checkpoint
 
 # The formats an estimate can be asked for: float dtypes, FP8, and the GGUF files' mixes.
 FLOAT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -76,7 +77,6 @@ def by_format(shapes: Mapping[str, tuple], fmt: str, compute: str = "bf16") -> W
 
 def of_checkpoint(path: str | os.PathLike, compute: str = "bf16", weights_dtype: str | None = None) -> WeightBytes:
     """The same from a checkpoint's header: stored sizes of its quantized tensors, the rest cast."""
-    from .formats import open_checkpoint
 
     ck = open_checkpoint(path)
     fmt8 = _fp8.canonical(weights_dtype)

@@ -19,6 +19,7 @@ import torch
 
 from ..distributed import transport
 from ..distributed.comm import Comm
+from ..distributed.transport import Transport
 from .plan import Transition
 
 
@@ -53,13 +54,19 @@ def rank_indices(t: Transition, rank: int, device: torch.device | str = "cpu") -
     return t.memo(("torch", rank, str(device)), make)
 
 
-def exchange(x: torch.Tensor, t: Transition, comm: Comm) -> torch.Tensor:
-    """Rows of ``x`` (this rank's src-local activations) -> this rank's dst-local rows."""
+def exchange(x: torch.Tensor, t: Transition, link: Transport | Comm) -> torch.Tensor:
+    """Rows of ``x`` (this rank's src-local activations) -> this rank's dst-local rows.
+
+    ``link``: the caller's :class:`~ditsp.distributed.transport.Transport` (its settings and agreed
+    plans); a bare Comm gets a fresh one (environment settings, agreed on this call).
+    """
+    link = Transport.of(link)
+    comm = link.comm
     idx = rank_indices(t, comm.rank, x.device)
     if x.shape[0] != sum(idx.input_splits):
         raise ValueError(f"rank {comm.rank} holds {x.shape[0]} rows; the plan says {sum(idx.input_splits)}")
     if idx.local_perm is not None:  # same ownership: no collective on any rank
         return x.index_select(0, idx.local_perm)
     # Packed and placed by the transport: whole (off) or in chunks bounded by its capacity.
-    return transport.all_to_all(comm, transport.Rows(x, idx.send_index), idx.input_splits, idx.output_splits,
-                                "window_exchange", place=idx.placement, key=idx.key)
+    return link.all_to_all(transport.Rows(x, idx.send_index), idx.input_splits, idx.output_splits,
+                           "window_exchange", place=idx.placement, key=idx.key)

@@ -2,8 +2,8 @@
 
 - :mod:`.docs`: ``cu_seqlens`` + per-document causal flag + joint text length, agreement;
 - :mod:`.dispatch`: contiguous / zigzag / area-weighted sharding of the stream;
-- :mod:`.kernel`: per-document block attention with LSE (fp32, causal by position);
-- :mod:`.ring_packed`: document-aware ring with a cached schedule that skips pairs sharing no document;
+- :mod:`.ring_packed`: document-aware ring with a cached schedule that skips pairs sharing no document
+  (per-document blocks: the kernel table's reference kernel, causal by document position);
 - :mod:`.ulysses_packed`: packed Ulysses (varlen after the all-to-all) and packed USP.
 """
 

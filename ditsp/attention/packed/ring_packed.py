@@ -35,9 +35,37 @@ import torch
 
 from ...distributed.agree import agree
 from ...distributed.comm import Comm
+from ..common import merge, post, ring_loop, wait
+from ..kernels import attn_bwd, attn_fwd
 from .dispatch import Dispatch, dispatch
 from .docs import PackedDocs
-from .kernel import block_bwd, block_fwd, block_visible, merge
+
+# -- per-document blocks: the kernel table's reference kernel on THD views ----------------------
+
+
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    """THD ``[S, H, D]`` -> the kernels' ``[1, H, S, D]`` (a view)."""
+    return x.transpose(0, 1)[None]
+
+
+def block_visible(q_pos: int, sq: int, k_pos: int, sk: int, causal: bool) -> bool:
+    """Whether any query of the block sees any key (False: skip transfer and compute)."""
+    return sq > 0 and sk > 0 and (not causal or k_pos <= q_pos + sq - 1)
+
+
+def block_fwd(q, k, v, scale: float, q_pos: int = 0, k_pos: int = 0, causal: bool = False):
+    """fp32 ``(out [Sq,H,Dv], lse [Sq,H])`` of queries at document positions ``q_pos..`` on keys at
+    ``k_pos..`` (:func:`ditsp.attention.kernels.attn_fwd`: GQA by grouping query rows, no K/V copy);
+    rows that see no key get out 0, lse -inf."""
+    out, lse = attn_fwd(_bhsd(q), _bhsd(k), _bhsd(v), scale, causal, q_pos - k_pos)
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def block_bwd(q, k, v, lse, delta, dout, scale: float, q_pos: int = 0, k_pos: int = 0, causal: bool = False):
+    """fp32 ``(dq, dk, dv)`` of one block (THD) given the *final* ``lse`` [Sq,H] and ``delta = rowsum(dout*out)``."""
+    g = attn_bwd(_bhsd(q), _bhsd(k), _bhsd(v), _bhsd(lse), _bhsd(delta), _bhsd(dout), scale, causal, q_pos - k_pos)
+    return tuple(x[0].transpose(0, 1) for x in g)
+
 
 # (q local offset, q rows, q doc position, k offset in buffer, k rows, k doc position, causal)
 Block = tuple[int, int, int, int, int, int, bool]
@@ -137,14 +165,7 @@ def _post(comm: Comm, sched: RingSchedule, kv: torch.Tensor, step: int, kind: st
     in_rows = sched.pair(me, src).rows
     sends = [(kv[:, torch.from_numpy(out_rows)].contiguous(), dst)] if out_rows.size else []
     buf = kv.new_empty((kv.shape[0], int(in_rows.size)) + tuple(kv.shape[2:])) if in_rows.size else None
-    recvs = [(buf, src)] if buf is not None else []
-    reqs = comm.batch_isend_irecv(sends, recvs, kind=kind) if sends or recvs else []
-    return buf, reqs
-
-
-def _wait(reqs) -> None:
-    for r in reqs:
-        r.wait()
+    return buf, post(comm, sends, [(buf, src)] if buf is not None else [], kind)
 
 
 def ring_fwd(comm: Comm, sched: RingSchedule, q, kv, tkv, scale: float):
@@ -154,24 +175,19 @@ def ring_fwd(comm: Comm, sched: RingSchedule, q, kv, tkv, scale: float):
     out = torch.zeros(q.shape[:2] + (kv.shape[-1],), dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
 
-    def run(buf, blocks):
-        for qo, sq, qp, ko, sk, kp, causal in blocks:
-            o, l = block_fwd(q[qo:qo + sq], buf[0, ko:ko + sk], buf[1, ko:ko + sk], scale, qp, kp, causal)
-            out[qo:qo + sq], lse[qo:qo + sq] = merge(out[qo:qo + sq], lse[qo:qo + sq], o, l)
+    def fold(qo, sq, o, l):  # merge one block's result into rows [qo, qo + sq), in place
+        _, lse[qo:qo + sq] = merge(out[qo:qo + sq], lse[qo:qo + sq], o, l)
 
-    nxt = _post(comm, sched, kv, 1, "packed_ring_kv") if p > 1 else (None, [])
-    if tkv is not None:
-        to = docs.text_offsets
-        for qo, sq, d in sched.text_blocks(me):
-            o, l = block_fwd(q[qo:qo + sq], tkv[0, to[d]:to[d + 1]], tkv[1, to[d]:to[d + 1]], scale)
-            out[qo:qo + sq], lse[qo:qo + sq] = merge(out[qo:qo + sq], lse[qo:qo + sq], o, l)
-    run(kv, sched.pair(me, me).blocks)
-    for step in range(1, p):
-        buf, reqs = nxt
-        _wait(reqs)
-        nxt = _post(comm, sched, kv, step + 1, "packed_ring_kv") if step + 1 < p else (None, [])
+    def compute(step, buf):
+        if step == 0 and tkv is not None:  # the documents' text, attended locally once
+            to = docs.text_offsets
+            for qo, sq, d in sched.text_blocks(me):
+                fold(qo, sq, *block_fwd(q[qo:qo + sq], tkv[0, to[d]:to[d + 1]], tkv[1, to[d]:to[d + 1]], scale))
         if buf is not None:
-            run(buf, sched.pair(me, (me - step) % p).blocks)
+            for qo, sq, qp, ko, sk, kp, causal in sched.pair(me, (me - step) % p).blocks:
+                fold(qo, sq, *block_fwd(q[qo:qo + sq], buf[0, ko:ko + sk], buf[1, ko:ko + sk], scale, qp, kp, causal))
+
+    ring_loop(p, kv, lambda step, _: _post(comm, sched, kv, step, "packed_ring_kv"), compute)
     return out, lse
 
 
@@ -192,35 +208,32 @@ def ring_bwd(comm: Comm, sched: RingSchedule, q, kv, tkv, scale: float, out, lse
             dbuf[0, ko:ko + sk] += g[1]
             dbuf[1, ko:ko + sk] += g[2]
 
-    nxt = _post(comm, sched, kv, 1, "packed_ring_kv_bwd") if p > 1 else (None, [])
-    if tkv is not None:
-        to = docs.text_offsets
-        for qo, sq, d in sched.text_blocks(me):
-            a, b = to[d], to[d + 1]
-            g = block_bwd(q[qo:qo + sq], tkv[0, a:b], tkv[1, a:b], lse[qo:qo + sq], delta[qo:qo + sq],
-                          dout[qo:qo + sq], scale)
-            dq[qo:qo + sq] += g[0]
-            dtkv[0, a:b] += g[1]
-            dtkv[1, a:b] += g[2]
-    run(kv, dkv, sched.pair(me, me).blocks)
-    for step in range(1, p):
-        buf, reqs = nxt
-        _wait(reqs)
-        nxt = _post(comm, sched, kv, step + 1, "packed_ring_kv_bwd") if step + 1 < p else (None, [])
+    def compute(step, buf):
+        if step == 0:
+            if tkv is not None:
+                to = docs.text_offsets
+                for qo, sq, d in sched.text_blocks(me):
+                    a, b = to[d], to[d + 1]
+                    g = block_bwd(q[qo:qo + sq], tkv[0, a:b], tkv[1, a:b], lse[qo:qo + sq], delta[qo:qo + sq],
+                                  dout[qo:qo + sq], scale)
+                    dq[qo:qo + sq] += g[0]
+                    dtkv[0, a:b] += g[1]
+                    dtkv[1, a:b] += g[2]
+            run(kv, dkv, sched.pair(me, me).blocks)
+            return
         src, dst = (me - step) % p, (me + step) % p
         dbuf = torch.zeros(buf.shape, dtype=torch.float32, device=q.device) if buf is not None else None
         if buf is not None:
             run(buf, dbuf, sched.pair(me, src).blocks)
         # dK/dV of the rows we received go back to their owner; ours come back from dst.
         back_rows = sched.pair(dst, me).rows
-        sends = [(dbuf, src)] if dbuf is not None else []
         ret = torch.empty((2, int(back_rows.size)) + tuple(kv.shape[2:]), dtype=torch.float32, device=q.device)
-        recvs = [(ret, dst)] if back_rows.size else []
-        if sends or recvs:
-            _wait(comm.batch_isend_irecv(sends, recvs, kind="packed_ring_dkv"))
+        wait(post(comm, [(dbuf, src)] if dbuf is not None else [], [(ret, dst)] if back_rows.size else [],
+                  "packed_ring_dkv"))
         if back_rows.size:
             dkv.index_add_(1, torch.from_numpy(back_rows).to(q.device), ret)
-    _wait(nxt[1])
+
+    ring_loop(p, kv, lambda step, _: _post(comm, sched, kv, step, "packed_ring_kv_bwd"), compute)
     return dq, dkv, dtkv
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ...distributed.comm import Comm
+from ...distributed.transport import Transport
 from ..common import even_splits
 from ..ulysses import head_plan, to_heads, to_seq
 from .dispatch import dispatch
@@ -62,14 +63,16 @@ def doc_attention(q, k, v, docs: PackedDocs, tk=None, tv=None, scale: float | No
     return torch.cat(outs, 0)
 
 
-def packed_ulysses_attention(comm: Comm, q, k, v, docs: PackedDocs, tk=None, tv=None,
+def packed_ulysses_attention(link: Transport | Comm, q, k, v, docs: PackedDocs, tk=None, tv=None,
                              scale: float | None = None, mode: str = "contiguous"):
     """Per-document attention of sequence-sharded ``q, k, v`` [s, H(kv), D] over a Ulysses group.
 
     Local rows follow ``dispatch(docs, P, mode)`` (default contiguous equal
     shares). ``tk``/``tv``: all documents' text K/V with all K/V heads,
-    replicated. Returns [s, H, Dv].
+    replicated. Returns [s, H, Dv]. ``link``: the caller's Transport (a Comm gets a fresh one per call).
     """
+    link = Transport.of(link)
+    comm = link.comm
     agree_docs(comm, docs, "the packed Ulysses documents")
     disp = dispatch(docs, comm.world_size, mode)
     lens = disp.rank_lens
@@ -77,7 +80,7 @@ def packed_ulysses_attention(comm: Comm, q, k, v, docs: PackedDocs, tk=None, tv=
         raise ValueError(f"rank {comm.rank} holds {q.shape[0]} rows; the dispatch gives it {lens[comm.rank]}")
     plan = head_plan(q.shape[1], k.shape[1], comm.world_size)
     if comm.world_size > 1:
-        qh, kh, vh = (t[0].transpose(0, 1) for t in to_heads(comm, plan, lens, q[None], k[None], v[None]))
+        qh, kh, vh = (t[0].transpose(0, 1) for t in to_heads(link, plan, lens, q[None], k[None], v[None]))
     else:
         qh, kh, vh = q, k, v
     order = np.concatenate([disp.rank_rows(r) for r in range(comm.world_size)])
@@ -93,7 +96,7 @@ def packed_ulysses_attention(comm: Comm, q, k, v, docs: PackedDocs, tk=None, tv=
         o = o.index_select(0, torch.from_numpy(order).to(q.device))
     if comm.world_size == 1:
         return o
-    return to_seq(comm, plan, lens, o.transpose(0, 1)[None])[0]
+    return to_seq(link, plan, lens, o.transpose(0, 1)[None])[0]
 
 
 def usp_rows(docs: PackedDocs, ulysses_degree: int, ring_degree: int, mode: str = "area") -> list[list[np.ndarray]]:
@@ -109,12 +112,15 @@ def usp_rows(docs: PackedDocs, ulysses_degree: int, ring_degree: int, mode: str 
     return out
 
 
-def packed_usp_attention(ulysses: Comm, ring: Comm, q, k, v, docs: PackedDocs, tk=None, tv=None,
+def packed_usp_attention(ulysses: Transport | Comm, ring: Comm, q, k, v, docs: PackedDocs, tk=None, tv=None,
                          scale: float | None = None, mode: str = "area", skip: bool = True):
     """Packed USP: Ulysses all-to-all inside each ring shard, document-aware ring across shards.
 
     Local rows: ``usp_rows(docs, U, R, mode)[ring.rank][ulysses.rank]``. Returns [s, H, Dv].
+    ``ulysses``: the Ulysses axis' Transport (a Comm gets a fresh one per call).
     """
+    link = Transport.of(ulysses)
+    ulysses = link.comm
     agree_docs(ulysses, docs, "the packed USP documents (Ulysses axis)")
     rows = usp_rows(docs, ulysses.world_size, ring.world_size, mode)
     lens = [int(r.size) for r in rows[ring.rank]]
@@ -122,7 +128,7 @@ def packed_usp_attention(ulysses: Comm, ring: Comm, q, k, v, docs: PackedDocs, t
         raise ValueError(f"rank holds {q.shape[0]} rows; the USP dispatch gives it {lens[ulysses.rank]}")
     plan = head_plan(q.shape[1], k.shape[1], ulysses.world_size)
     if ulysses.world_size > 1:
-        qh, kh, vh = (t[0].transpose(0, 1) for t in to_heads(ulysses, plan, lens, q[None], k[None], v[None]))
+        qh, kh, vh = (t[0].transpose(0, 1) for t in to_heads(link, plan, lens, q[None], k[None], v[None]))
     else:
         qh, kh, vh = q, k, v
     klo, khi = plan.kv[ulysses.rank]
@@ -132,4 +138,4 @@ def packed_usp_attention(ulysses: Comm, ring: Comm, q, k, v, docs: PackedDocs, t
                               scale, skip)
     if ulysses.world_size == 1:
         return o
-    return to_seq(ulysses, plan, lens, o.transpose(0, 1)[None])[0]
+    return to_seq(link, plan, lens, o.transpose(0, 1)[None])[0]

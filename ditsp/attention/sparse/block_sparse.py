@@ -120,6 +120,7 @@ except Exception:  # pragma: no cover
 
 def _flex_attention(q, k, v, mask, valid, scale):  # pragma: no cover - CUDA only, not run here
     """flex_attention over the blocked layout: its KV block size is our block, pads masked by ``mask_mod``."""
+    # local: a heavy optional package, loaded only when this runs
     from torch.nn.attention.flex_attention import create_block_mask
 
     lead, (nb, b, D) = q.shape[:-3], q.shape[-3:]

@@ -38,6 +38,7 @@ import torch
 
 from ...distributed.agree import agree
 from ...distributed.comm import Comm, CommStats
+from ...distributed.transport import Transport
 from ..ulysses import head_plan, head_to_seq, seq_to_head
 from .balance import MigrationPlan, plan_migrations
 from .block_sparse import block_sparse_attention, sparse_rows
@@ -51,9 +52,11 @@ KIND = "sparse_migrate"
 class SparseUlysses:
     """Adaptive sparse attention strategy (``attn=``) for a video of ``grid`` = (T, H, W) post-patch tokens."""
 
-    def __init__(self, group, grid: Sequence[int], config: SparseConfig | None = None, name: str = "sparse-ulysses"):
+    def __init__(self, group, grid: Sequence[int], config: SparseConfig | None = None, name: str = "sparse-ulysses",
+                 transport=None):
         self.stats = CommStats()
         self.comm = Comm.of(group, self.stats)
+        self.transport = Transport(self.comm, transport)  # settings, config with a2a_* fields, or None (env)
         self.grid = tuple(int(g) for g in grid)
         if len(self.grid) != 3 or min(self.grid) < 1:
             raise ValueError(f"grid must be three positive extents (T, H, W), got {grid!r}")
@@ -117,7 +120,7 @@ class SparseUlysses:
         (qlo, qhi), (klo, khi) = hp.q[me], hp.kv[me]
         h = qhi - qlo
         if P > 1:
-            hq, hk, hv = seq_to_head(comm, [vq, vk, vv], [hp.q, hp.kv, hp.kv], lens)
+            hq, hk, hv = seq_to_head(self.transport, [vq, vk, vv], [hp.q, hp.kv, hp.kv], lens)
         else:
             hq, hk, hv = (x.transpose(1, 2) for x in (vq, vk, vv))
         # Per local query head, its K/V head (GQA); then [h, B, tokens, D] with text first.
@@ -168,7 +171,7 @@ class SparseUlysses:
         o = layout.from_blocks(out.view(h, B, nb, b, D)).transpose(0, 1)  # [B, h, tokens, D]
         ot, ov = o[:, :, :T], o[:, :, T:]
         if P > 1:
-            ov = head_to_seq(comm, [ov.contiguous()], [hp.q], lens, [H])[0]
+            ov = head_to_seq(self.transport, [ov.contiguous()], [hp.q], lens, [H])[0]
             if T:
                 ot = torch.cat(comm.all_gather_rows(ot.transpose(0, 1).contiguous(), [hi - lo for lo, hi in hp.q],
                                                     kind="text_heads")).transpose(0, 1)

@@ -27,6 +27,8 @@ import torch
 
 from ...config import ParallelConfig
 from .hooks import ParallelizeError
+from .cfg import cfg_forward
+from .parallelize import parallelize
 
 PIPELINES = ("WanPipeline",)  # the pipeline classes this job runs
 
@@ -81,7 +83,7 @@ def load_embeds(path: str | Path, guidance: float) -> tuple[torch.Tensor, torch.
 
 
 def _component(folder: str, index: dict, part: str):
-    import diffusers
+    import diffusers  # local: a heavy optional package, loaded only when this runs
 
     lib, cls = index[part]
     if lib != "diffusers" or not hasattr(diffusers, cls):
@@ -90,7 +92,7 @@ def _component(folder: str, index: dict, part: str):
 
 
 def _config(folder: str, index: dict, part: str) -> dict:
-    import diffusers
+    import diffusers  # local: a heavy optional package, loaded only when this runs
 
     lib, cls = index[part]
     if lib != "diffusers" or not hasattr(diffusers, cls):
@@ -120,10 +122,8 @@ def to_uint8(video: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def rank_generate(ctx, req: GenerateRequest) -> dict:
     """One rank's share of a generation; rank 0 decodes, writes and returns the report."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # local: read when the job runs (serve/workers.py swaps in its progress reporter first)
 
-    from .cfg import cfg_forward
-    from .parallelize import parallelize
 
     index = pipeline_index(req.folder)
     cond, neg = load_embeds(req.embeds, req.guidance)
@@ -170,7 +170,7 @@ def rank_generate(ctx, req: GenerateRequest) -> dict:
     decode_s = time.perf_counter() - t0
     written = None
     if req.output:
-        from ...io.video import write_image, write_video
+        from ...io.write import write_image, write_video
 
         if frames.shape[0] == 1 and Path(req.output).suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"):
             written = str(write_image(req.output, frames[0], overwrite=req.overwrite))

@@ -96,7 +96,8 @@ class Runtime:
             if grid not in self._sparse_by_grid:
                 if len(self._sparse_by_grid) >= 8:
                     self._sparse_by_grid.pop(next(iter(self._sparse_by_grid)))
-                self._sparse_by_grid[grid] = SparseUlysses(self.sparse[0], grid, self.sparse[1])
+                self._sparse_by_grid[grid] = SparseUlysses(self.sparse[0], grid, self.sparse[1],
+                                                           transport=self.config)
             self.attention = self._sparse_by_grid[grid]
 
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:

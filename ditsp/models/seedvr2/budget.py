@@ -20,6 +20,10 @@ from .vae.config import PRESETS as VAE_PRESETS
 from .vae.modes import AUTO
 from .weights import MODELS
 from ...weights.sizing import WeightBytes
+from .pipeline.padding import padded_length
+from .vae.memory import choose_mode
+from .vae.memory import estimate as vae_estimate
+from .weight_memory import dit_weights
 
 GiB = 2**30
 
@@ -52,9 +56,6 @@ def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: i
 
     ``weights``: the DiT's weights as kept (:func:`.weight_memory.dit_weights`: stored format and
     dequantization buffer); default: every parameter in ``dtype``."""
-    from .pipeline.padding import padded_length
-    from .vae.memory import choose_mode
-    from .vae.memory import estimate as vae_estimate
 
     cfg = get_config(model)
     vcfg = VAE_PRESETS[MODELS[model]]
@@ -114,7 +115,6 @@ def suggestions(model: str, dtype: str, frames: int, out_hw, sp: int, vae_mode: 
 
 def _smaller_weights(model, dtype, frames, out_hw, sp, vae_mode, budget, weights) -> list[str]:
     """The first smaller DiT format that fits: FP8 at load, then a Q8_0 or Q4_K_M GGUF file."""
-    from .weight_memory import dit_weights
 
     if dtype not in ("bf16", "fp32"):
         return []

@@ -6,15 +6,17 @@ configuration against what SeedVR2 can run (window attention only: no ring,
 no uneven-head Ulysses, no permuted transport) and returns the runtime the
 model's forward takes:
 
+Everything comes from the :class:`~ditsp.config.ParallelConfig` (one route per setting):
+``window_path`` picks the runtime and ``window_planner`` Plan A's planner.
+
 - ``path="window"``: window-aligned SP (Plan A), planner from the config;
 - ``path="ulysses"``: the Ulysses baseline (contiguous token shards, heads
   moved around window attention), for comparison;
 - ``path="halo"``: halo-slab Plan B (fixed slabs, halo Q/K/V lent to attention);
 - ``path="auto"``: the cheapest of Plan A (LPT, locality), Plan B and Ulysses by
   :func:`ditsp.sp.choice.choose`, the same on every rank; its report names the
-  choice and the runner-up. This is the default: ``path=None`` takes
-  ``parallel_config.window_path`` (``"auto"``), or ``"window"`` when a planner
-  is named.
+  choice and the runner-up. This is the default (``window_path="auto"``); a
+  named ``window_planner`` under ``auto`` means Plan A with that planner.
 """
 
 from __future__ import annotations
@@ -22,65 +24,67 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from ...config import ParallelConfig, ParallelConfigError
 from ...distributed.comm import Comm
 from ...distributed.agree import agree
-from ...distributed.transport import configure
+from ...distributed.transport import TransportSettings
 from ...fixed_shape import shapes_for
 from ...sp import SPRuntime, UlyssesWindowRuntime, WindowRuntime
 from .nadit.config import NaDiTConfig
+from ...sp.halo_slab import HaloSlabRuntime
+from ...sp.choice import ChosenRuntime, Link, choose, split_path
 
 PATHS = ("window", "ulysses", "halo", "auto")
 
 
-def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: Sequence[int], group=None,
-                planner: str | None = None, path: str | None = None) -> SPRuntime:
-    """The SP runtime of one request of model ``cfg`` on SP group ``group`` (None: one rank).
+def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: Sequence[int],
+                group=None) -> SPRuntime:
+    """The SP runtime of one request of model ``cfg`` on SP group ``group`` (None: one rank; a
+    :class:`~ditsp.distributed.comm.Comm`: that Comm itself, so a job's collectives count in one place).
 
     ``group``'s size must equal the configured SP degree. Text sums are
     reduced in fp64 whatever the model dtype, so their value does not depend
     on which rank holds which window.
     """
     pc = parallel_config or ParallelConfig()
-    world = 1 if group is None else dist.get_world_size(group)
+    comm = Comm.of(group)
+    world = comm.world_size
     pc.validate("seedvr2", pc.sp_degree)  # the SeedVR2 rejections first, whatever the group
     if pc.sp_degree != world:
         raise ParallelConfigError(
             f"window-aligned SP degree {pc.sp_degree} needs an SP group of {pc.sp_degree} ranks, got {world}")
-    comm = Comm.of(group)
-    configure(comm, pc)  # the exchange's transport policy (chunked all-to-all) of this config
-    path = path or pc.window_path
+    path, planner = pc.window_path, pc.window_planner
     if path == "auto" and planner:
         path = "window"  # a named planner means Plan A with it
     if path not in PATHS:
         raise ValueError(f"unknown SP path {path!r}; choose from {', '.join(PATHS)}")
-    rt = _auto(cfg, grid, comm) if path == "auto" else _build(path, cfg, grid, comm, planner or pc.window_planner)
+    a2a = TransportSettings.resolve(pc)  # the policy of the runtime's all-to-alls (carried by the runtime)
+    rt = _auto(cfg, grid, comm, a2a) if path == "auto" else _build(path, cfg, grid, comm, planner or "lpt", a2a)
     rt.kernel_shapes = shapes_for(pc.deterministic)
     if world > 1:
         agree(comm, "the kernel-shape policy (deterministic)", {"deterministic": pc.deterministic})
     return rt
 
 
-def _build(path: str, cfg: NaDiTConfig, grid: Sequence[int], comm: Comm, planner: str | None) -> SPRuntime:
+def _build(path: str, cfg: NaDiTConfig, grid: Sequence[int], comm: Comm, planner: str | None,
+           a2a: TransportSettings) -> SPRuntime:
     if path == "window":
-        return WindowRuntime(grid, cfg.window_methods, comm, planner, cfg.num_windows, torch.float64)
+        return WindowRuntime(grid, cfg.window_methods, comm, planner, cfg.num_windows, torch.float64, a2a)
     if path == "ulysses":
-        return UlyssesWindowRuntime(grid, cfg.window_methods, cfg.heads, comm, cfg.num_windows, torch.float64)
-    from ...sp.halo_slab import HaloSlabRuntime
+        return UlyssesWindowRuntime(grid, cfg.window_methods, cfg.heads, comm, cfg.num_windows, torch.float64,
+                                    a2a)
 
-    return HaloSlabRuntime(grid, cfg.window_methods, comm, cfg.num_windows, torch.float64)
+    return HaloSlabRuntime(grid, cfg.window_methods, comm, cfg.num_windows, torch.float64, transport=a2a)
 
 
-def _auto(cfg: NaDiTConfig, grid: Sequence[int], comm: Comm) -> SPRuntime:
+def _auto(cfg: NaDiTConfig, grid: Sequence[int], comm: Comm, a2a: TransportSettings) -> SPRuntime:
     """The cost model's cheapest path, checked to be the same on every rank, then built."""
-    from ...sp.choice import ChosenRuntime, Link, choose, split_path
 
     link = Link.load()
     choice = choose(cfg, grid, comm.world_size, link)
     agree(comm, "the auto SP path (choice, runner-up, link)",
           {"choice": [c.path for c in choice.costs[:2]], "link": link.as_dict()})
     base, planner = split_path(choice.best.path)
-    rt = _build(base, cfg, grid, comm, planner)
+    rt = _build(base, cfg, grid, comm, planner, a2a)
     return ChosenRuntime(rt, choice)

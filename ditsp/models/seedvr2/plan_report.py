@@ -5,6 +5,7 @@ from __future__ import annotations
 from ...windows.traffic import ulysses_traffic, window_sp_traffic
 from .nadit.config import NaDiTConfig
 from ...windows.schedule import SchedulePlan, plan_schedule
+from ...windows.geometry import window_size
 
 BF16 = 2
 
@@ -100,8 +101,6 @@ def summarize(schedule: SchedulePlan, cfg: NaDiTConfig, weights=None) -> dict:
 
 
 def _window_size(plan) -> tuple[int, int, int]:
-    from ...windows.geometry import window_size
-
     return window_size(plan.layout.grid, plan.layout.num_windows)
 
 

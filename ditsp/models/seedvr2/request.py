@@ -28,6 +28,10 @@ from .vae.modes import AUTO
 from .vae.modes import CHOICES as VAE_MODES
 from .presets import OFFERED as MODELS
 from .presets import default_dtype
+from .sizing import parse_resolution
+from ...weights import FormatError
+from .budget import GiB, available_bytes, estimate, suggestions
+from .weight_memory import dit_weights
 
 __all__ = ["COLOR_FIXES", "DTYPE_NAMES", "HTTP_OPTIONS", "MODELS", "OUTPUT_FORMATS", "PLANNERS", "VAE_MODES",
            "WEIGHTS_DTYPES", "Checked", "Options", "UpscaleRequest", "check", "check_memory", "from_args",
@@ -165,15 +169,13 @@ class Checked:
     """A request that passed every check, with what the checks learnt about its input."""
 
     req: UpscaleRequest
-    info: object  # ditsp.io.video.VideoInfo
+    info: object  # ditsp.io.media.VideoInfo
     frames: int
     geo: object  # pipeline.sizing.FrameGeometry
     window: int  # frames of the largest temporal window
 
 
 def _wxh(text: str, what: str) -> tuple[int, int]:
-    from .sizing import parse_resolution
-
     try:
         return parse_resolution(text)
     except ValueError as e:
@@ -188,7 +190,8 @@ def _choice(flag: str, value, allowed) -> None:
 def check(o: Options) -> Checked:
     """Everything that can be checked before ranks start; ValueError with a one-line message."""
     # the input's probe opens PyAV; kept local so a front door that only lists values does not load codecs
-    from ...io.video import MediaError, count_frames, probe
+    from ...io.media import MediaError
+    from ...io.probe import count_frames, probe
     from .pipeline.padding import padded_length
     from .pipeline.sizing import frame_geometry
     from .pipeline.windows import check_window
@@ -272,9 +275,6 @@ def check(o: Options) -> Checked:
 
 def check_memory(c: Checked, o: Options) -> str:
     """The estimate's line; raises MemoryError naming what would fit when it does not."""
-    from ...weights import FormatError
-    from .budget import GiB, available_bytes, estimate, suggestions
-    from .weight_memory import dit_weights
 
     req, geo, window = c.req, c.geo, c.window
     local = 1 if "WORLD_SIZE" in os.environ else req.sp

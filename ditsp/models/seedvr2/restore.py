@@ -29,7 +29,8 @@ from dataclasses import asdict
 import torch
 
 from ...config import ParallelConfig
-from ...distributed.comm import Comm, CommStats
+from ...distributed.comm import Comm
+from ...distributed.transport import Transport
 from ...distributed.heartbeat import beat
 from ...fixed_shape import shapes_for
 from ...fixed_shape import use as use_kernel_shapes
@@ -58,6 +59,10 @@ from .vae.modes import AUTO, SLAB_MODES
 from .weights import load
 
 from .restore_report import STAGES, format_report, plot_report, summarize  # noqa: F401 - re-exported
+from ...io.probe import open_media
+from ...io.write import VideoWriter, write_image
+from .vae.sharded import ParallelVAE
+from ...io.probe import frame_times
 GiB = 2**30
 DEFAULT_FPS = 24
 
@@ -138,28 +143,26 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
 
 
 def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
-    from tqdm import tqdm
-
-    from ...io.video import VideoWriter, open_media, write_image
-    from .vae.sharded import ParallelVAE
+    from tqdm import tqdm  # local: read when the job runs (serve/workers.py swaps in its progress reporter first)
 
     group = ctx.group if ctx.world_size > 1 else None
     device = ctx.device
-    models = load(req.weights, device, comm=Comm.of(group))  # a bad checkpoint: the same error on every rank
+    # The job's one Comm of the group: the weights' load, the VAE, every DiT runtime and the writer's rows.
+    comm = Comm.of(group)
+    models = load(req.weights, device, comm=comm)  # a bad checkpoint: the same error on every rank
+    comm.stats.reset()  # the report counts the restoration's traffic, not the weights' load
     vae = models.vae
     info, chunks = open_media(req.input)
     frames_total = info.frames
     if frames_total is None:
-        from ...io.video import count_frames
+        from ...io.probe import count_frames
 
         frames_total = count_frames(req.input)
     geo = _geometry(req, info.width, info.height)
     window = req.window_frames or padded_length(frames_total)
     plan = plan_windows(frames_total, window, min(req.overlap, window - 1), req.seed)
-    stats = CommStats()
-    vae_comm = Comm.of(group, stats)
     budget = int(req.budget_gib * GiB) if req.budget_gib else None
-    pvae = ParallelVAE(vae, vae_comm, chunk=req.vae_chunk, budget_bytes=budget)
+    pvae = ParallelVAE(vae, comm, chunk=req.vae_chunk, budget_bytes=budget)
     runtimes: dict = {}
     st = _Stages(device)
     blender = StreamingBlender(plan, out_dtype=torch.float32)
@@ -196,7 +199,7 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
             decoded, dit_report = step(ctx, models, pvae, runtimes, req, st, win.index, xp, mode, g, vae_reports, bar)
             bar.update()
             if not rank0:
-                _all_ok(vae_comm)
+                _all_ok(comm)
                 continue
             content = decoded[0, :, :n].permute(1, 0, 2, 3)  # (T, 3, H, W), padding dropped
             fixed = st.run("color_fix", win.index, apply_color_fix, content, x.permute(1, 0, 2, 3), req.color_fix)
@@ -218,7 +221,7 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
                 else:
                     st.run("write", win.index, writer.write, out)
                 written += out.shape[0]
-            _all_ok(vae_comm)
+            _all_ok(comm)
         if rank0:
             blender.flush()
         if writer is not None:
@@ -229,14 +232,12 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
         raise
     finally:
         bar.close()
-    rt_stats = [rt.comm.stats for rt in runtimes.values()]
-    bytes_sent = stats.bytes_sent + sum(s.bytes_sent for s in rt_stats)
     report = {
         "rank": ctx.rank,
         "stage_s": st.time,
         "stage_peak_bytes": st.peak,
-        "bytes_sent": bytes_sent,
-        "collectives": {**stats.as_dict(), **{k: v for s in rt_stats for k, v in s.as_dict().items()}},
+        "bytes_sent": comm.stats.bytes_sent,
+        "collectives": comm.stats.as_dict(),
     }
     if rank0:
         report.update({
@@ -255,7 +256,6 @@ def _input_times(req: UpscaleRequest, info, frames: int, notes: list[str]) -> li
     """The input's frame times when its frame rate varies (kept in the output), else None; says which."""
     if info.kind != "video":
         return None
-    from ...io.video import frame_times
 
     times = frame_times(req.input, info.rate)
     if times is None:
@@ -271,11 +271,11 @@ def _input_times(req: UpscaleRequest, info, frames: int, notes: list[str]) -> li
     return times
 
 
-def _runtime(runtimes: dict, ctx, dit, grid, planner: str | None, deterministic: bool):
+def _runtime(runtimes: dict, comm: Comm, dit, grid, planner: str | None, deterministic: bool):
+    """The DiT's runtime of ``grid`` on the job's Comm (built once per grid)."""
     if grid not in runtimes:
-        group = ctx.group if ctx.world_size > 1 else None
-        pc = ParallelConfig.window(ctx.world_size, deterministic=deterministic)
-        runtimes[grid] = parallelize(dit.cfg, pc, grid, group, planner)
+        pc = ParallelConfig.window(comm.world_size, window_planner=planner, deterministic=deterministic)
+        runtimes[grid] = parallelize(dit.cfg, pc, grid, comm)
     return runtimes[grid]
 
 
@@ -294,7 +294,7 @@ def _whole_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, repo
     bar.update()
     noise = make_noise(latent.shape, g, dtype=torch.float32)
     vid = dit_input(noise, latent.float())
-    rt = _runtime(runtimes, ctx, dit, dit.grid_of(vid.shape), req.planner, req.deterministic)
+    rt = _runtime(runtimes, pvae.comm, dit, dit.grid_of(vid.shape), req.planner, req.deterministic)
     v = st.run("dit", index, lambda: dit(vid.to(dit.dtype), models.text, dit_timestep(ctx.device), runtime=rt))
     bar.update()
     z = decoder_latent(one_step_x0(noise, v), dtype=vae.dtype)
@@ -323,7 +323,7 @@ def _sharded_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, re
     noise = make_noise((t, h, w, vae.cfg.latent_channels), g, dtype=torch.float32)[:, h0:h1]
     slabs = RowOwnership.slabs((t, h, w), [layout.rank_rows(r) for r in range(ctx.world_size)], "VAE slabs")
     rows = dit_input(noise, latent.float()).reshape(-1, noise.shape[-1] * 2 + 1)
-    rt = _runtime(runtimes, ctx, dit, dit.grid_of((t, h, w)), req.planner, req.deterministic)
+    rt = _runtime(runtimes, pvae.comm, dit, dit.grid_of((t, h, w)), req.planner, req.deterministic)
     v = st.run("dit", index, lambda: dit(rows.to(dit.dtype), models.text, dit_timestep(ctx.device), runtime=rt,
                                          rows=slabs))
     bar.update()
@@ -334,21 +334,23 @@ def _sharded_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, re
     def decode():
         mine = pvae.decode_slab(z, layout, chunked=mode == "height+chunks", gather=False)  # (1, 3, T, rows, W)
         counts = [b - a for a, b in layout.pixel_rows(vae.cfg.spatial_factor)]
-        return _rows_to_rank0(pvae.comm, mine, counts)
+        return _rows_to_rank0(rt.transport, mine, counts)
 
     decoded = st.run("vae_decode", index, decode)
     reports.add(f"VAE decode mode {mode} (SP={ctx.world_size}, slabs handed from the DiT's windows)")
     return decoded, rt.report(heads=dit.cfg.heads)
 
 
-def _rows_to_rank0(comm: Comm, video: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
-    """Every rank's pixel rows (dim 3) of ``video`` to rank 0 only (an all-to-all whose only target is rank 0)."""
-    if comm.world_size == 1:
+def _rows_to_rank0(link: Transport, video: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+    """Every rank's pixel rows (dim 3) of ``video`` to rank 0 only: an all-to-all whose only target is
+    rank 0, moved by the runtime's transport (agreed once per row counts and shape)."""
+    if link.world_size == 1:
         return video
     rows = video.movedim(3, 0).contiguous()
-    me, n = comm.rank, comm.world_size
-    got = comm.all_to_all_single(rows, [rows.shape[0] if d == 0 else 0 for d in range(n)],
-                                 counts if me == 0 else [0] * n, kind="decode_to_writer")
+    me, n = link.rank, link.world_size
+    key = ("decode_to_writer", tuple(counts), tuple(rows.shape[1:]))
+    got = link.all_to_all(rows, [rows.shape[0] if d == 0 else 0 for d in range(n)],
+                          counts if me == 0 else [0] * n, "decode_to_writer", key=key)
     return got.movedim(0, 3) if me == 0 else None
 
 

@@ -45,10 +45,10 @@ def format_report(s: dict) -> str:
 
 def plot_report(s: dict, path: str) -> None:
     """Input vs output frames, and the per-stage timeline of rank 0 (one PNG, written atomically)."""
-    import matplotlib
+    import matplotlib  # local: a heavy optional package, loaded only when this runs
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # local: a heavy optional package, loaded only when this runs
 
     samples = s.get("samples")
     k = 0 if samples is None else samples[0].shape[0]

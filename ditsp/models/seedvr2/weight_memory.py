@@ -8,13 +8,14 @@ from functools import lru_cache
 import torch
 
 from ...weights.sizing import WeightBytes, by_format, of_checkpoint
+from .nadit.config import get_config
+from .nadit.model import NaDiT
+from ...weights.fp8 import canonical
 
 
 @lru_cache(maxsize=16)
 def dit_shapes(model: str, layers: int | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name, shape) of every DiT tensor of a preset, from a meta build (nothing allocated)."""
-    from .nadit.config import get_config
-    from .nadit.model import NaDiT
 
     with torch.device("meta"):
         net = NaDiT(get_config(model, layers))
@@ -30,6 +31,5 @@ def dit_weights(model: str, dtype: str, checkpoint: str | None = None, weights_d
     or the compute dtype itself."""
     if checkpoint:
         return of_checkpoint(checkpoint, dtype, weights_dtype)
-    from ...weights.fp8 import canonical
 
     return by_format(dict(dit_shapes(model, layers)), fmt or canonical(weights_dtype) or dtype, dtype)

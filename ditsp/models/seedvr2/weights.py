@@ -16,6 +16,7 @@ import torch
 
 from ...dtypes import DTYPES
 from ...weights.load import quantize_
+from .. import resident
 from .nadit.config import PRESETS as DIT_PRESETS
 from .nadit.model import build_model
 from .vae import VideoVAE, load_checkpoint
@@ -23,6 +24,10 @@ from .vae.fixtures import seeded_vae
 from .vae.config import PRESETS as VAE_PRESETS
 
 from .presets import MODELS, OFFERED, default_dtype  # noqa: F401 - re-exported
+from ...weights import error_line
+from .nadit.checkpoint import CheckpointError
+from .vae import CheckpointError as VAECheckpointError
+from ...weights.fp8 import canonical
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,6 @@ class WeightsSpec:
     weights_dtype: str | None = None  # "fp8"/"fp8_e5m2": quantize float weights at load (ditsp/weights)
 
     def __post_init__(self):
-        from ...weights.fp8 import canonical
-
         canonical(self.weights_dtype)  # an unknown name raises here, before any rank loads
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(sorted(MODELS))}")
@@ -57,22 +60,23 @@ class SeedVR2:
     text: torch.Tensor
 
 
-_CACHE: dict = {}
+def _key(spec: WeightsSpec, device) -> tuple:
+    return ("seedvr2", spec, str(device))
 
 
 def load(spec: WeightsSpec, device: torch.device | str = "cpu", comm=None, read: str | None = None) -> SeedVR2:
-    """The pieces of ``spec`` for this process (built on first use; one set kept).
+    """The pieces of ``spec`` for this process (built on first use; the process's one model cache).
 
     ``comm``: the SP group's ranks, loading the checkpoints together when none of them holds the
     pieces yet (``read``: ``ditsp/weights/shared.py``; a bad file is the same error on every rank);
     where some already hold them the others load alone."""
-
-    key = (spec, str(device))
-    if comm is not None and comm.world_size > 1 and not all(comm.all_gather_object(key not in _CACHE)):
+    key = _key(spec, device)
+    if comm is not None and comm.world_size > 1 and not all(comm.all_gather_object(resident.peek(key) is None)):
         comm = None
-    if key in _CACHE:
-        return _CACHE[key]
-    _CACHE.clear()
+    return resident.get(key, lambda: _build(spec, device, comm, read))
+
+
+def _build(spec: WeightsSpec, device, comm=None, read: str | None = None) -> SeedVR2:
     dtype = DTYPES[spec.dtype]
     dit = build_model(spec.model, checkpoint=spec.dit, seed=spec.seed, dtype=dtype, device=device,
                       weights_dtype=spec.weights_dtype, comm=comm, read=read)
@@ -91,16 +95,12 @@ def load(spec: WeightsSpec, device: torch.device | str = "cpu", comm=None, read:
         text = load_text_embedding(spec.text_embedding, cfg.txt_in_dim)
     else:
         text = torch.randn(cfg.txt_len, cfg.txt_in_dim, generator=torch.Generator().manual_seed(spec.seed + 11))
-    _CACHE[key] = SeedVR2(spec, dit, vae, text.to(device))
-    return _CACHE[key]
+    return SeedVR2(spec, dit, vae, text.to(device))
 
 
 def _load_vae(vae, path: str, dtype: torch.dtype = torch.float32, weights_dtype: str | None = None, comm=None,
               read: str | None = None) -> None:
     """The VAE checkpoint into ``vae``; an unreadable file is one line (never torch's advice to load unsafely)."""
-    from ...weights import error_line
-    from .nadit.checkpoint import CheckpointError
-    from .vae import CheckpointError as VAECheckpointError
 
     try:
         load_checkpoint(vae, path, dtype=dtype, weights_dtype=weights_dtype, comm=comm, read=read)
@@ -112,10 +112,9 @@ def _load_vae(vae, path: str, dtype: torch.dtype = torch.float32, weights_dtype:
 
 def cached(spec: WeightsSpec, device: torch.device | str = "cpu") -> SeedVR2 | None:
     """The pieces of ``spec`` if this process holds them already, else None (nothing is loaded)."""
-    return _CACHE.get((spec, str(device)))
+    return resident.peek(_key(spec, device))
 
 
 def install(models: SeedVR2, device: torch.device | str = "cpu") -> None:
     """Make ``models`` (weights received in memory, e.g. from a peer rank) what :func:`load` returns."""
-    _CACHE.clear()
-    _CACHE[(models.spec, str(device))] = models
+    resident.put(_key(models.spec, device), models)

@@ -28,10 +28,12 @@ from ....fixed_shape import DEFAULT_DETERMINISTIC
 from ....fixed_shape import use as use_kernel_shapes
 from ....sp import SPRuntime, WindowRuntime, check_request
 from ....sp.recompute import checkpointed
+from ....weights.load import quantize_
 from ....windows.ownership import RowOwnership
 from .blocks import NaMMSRBlock
 from .blocks_7b import NaMMSRBlock7B
-from .config import NaDiTConfig
+from .checkpoint import load_checkpoint
+from .config import NaDiTConfig, get_config
 from .heads import NormAdaHead, OutAda, PlainHead, RMSNormWeight  # noqa: F401 - OutAda/RMSNormWeight re-exported
 from .tokenwise import TokenLinear
 
@@ -125,9 +127,9 @@ class NaDiT(nn.Module):
     def single_runtime(self, grid: Sequence[int], planner: str = "lpt",
                        deterministic: bool = DEFAULT_DETERMINISTIC) -> WindowRuntime:
         """The one-rank runtime: the single-device forward (the same runtime SP builds, on one rank)."""
-        from ..parallelize import parallelize
+        from ..parallelize import parallelize  # local: a genuine cycle (parallelize imports this package)
 
-        return parallelize(self.cfg, ParallelConfig(deterministic=deterministic), grid, None, planner)
+        return parallelize(self.cfg, ParallelConfig(window_planner=planner, deterministic=deterministic), grid)
 
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, timestep, runtime: SPRuntime | None = None,
                 states: dict | None = None, rows: RowOwnership | None = None) -> torch.Tensor:
@@ -215,9 +217,6 @@ def build_model(cfg: NaDiTConfig | str, num_layers: int | None = None, checkpoin
     ``weights_dtype`` ("fp8", "fp8_e5m2"; None keeps the file's formats) quantizes the weight
     matrices at load; FP8/GGUF checkpoints stay quantized either way (``ditsp/weights``).
     ``comm``/``read``: the ranks loading the checkpoint together (``ditsp/weights/shared.py``)."""
-    from ....weights.load import quantize_
-    from .checkpoint import load_checkpoint
-    from .config import get_config
 
     cfg = get_config(cfg, num_layers) if isinstance(cfg, str) else (cfg.with_layers(num_layers) if num_layers else cfg)
     if checkpoint:

@@ -22,6 +22,7 @@ import torch
 from .config import VaeConfig
 from .layouts import TimeLayout, even_split
 from .modes import AUTO_ORDER, BY_NAME, FALLBACK
+from .model import VideoVAE
 
 GiB = 1024 ** 3
 
@@ -175,8 +176,6 @@ def _walk_decoder(cfg: VaeConfig, wk: _Walk, shape, full_rows: int):
 
 @functools.lru_cache(maxsize=16)  # building the VAE, even on the meta device, costs ~1 s; estimates ask often
 def num_params(cfg: VaeConfig) -> int:
-    from .model import VideoVAE
-
     with torch.device("meta"):
         m = VideoVAE(cfg)
     return sum(p.numel() for p in m.parameters())

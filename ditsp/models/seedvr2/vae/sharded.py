@@ -41,6 +41,8 @@ from .layouts import SlabLayout, TimeLayout, even_split  # noqa: F401 - re-expor
 from .model import Posterior, VideoVAE, check_video, decoder_pieces, encoder_pieces
 
 from .modes import AUTO, EXACT_MODES, MODES, SLAB_MODES  # noqa: F401 - EXACT_MODES re-exported
+from .memory import choose_mode
+from .tiled import tiled_decode
 
 
 @dataclass
@@ -82,7 +84,6 @@ class ParallelVAE:
 
     def choose(self, shape: tuple[int, int, int]):
         """What ``auto`` picks for a clip of pixel shape (T, H, W) on this group (no collective; see :mod:`.modes`)."""
-        from .memory import choose_mode
 
         return choose_mode(self.cfg, shape, self.comm.world_size, self.budget, self.vae.dtype, self.chunk,
                            tile=self.tile, overlap=self.overlap)
@@ -187,7 +188,6 @@ class ParallelVAE:
             layout = SlabLayout.for_latent(t, h, w, n, self.cfg.spatial_factor)
             _, _, h0, h1 = layout.rank_rows(r)
             return self._decode_rows(z[:, :, :, h0:h1], layout, mode, gather=True)
-        from .tiled import tiled_decode
 
         return tiled_decode(self.vae, z, self.tile, self.overlap, self.chunk)
 

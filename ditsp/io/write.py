@@ -1,21 +1,11 @@
-"""Reading and writing videos, images and folders of frames (PyAV and Pillow).
+"""Writing videos and images, atomically (PyAV and Pillow).
 
-Reading streams: a video is decoded in chunks of ``chunk`` frames, each a
-uint8 tensor ``(n, 3, H, W)``, so a long clip is never held in memory whole.
-Images always come out as 3-channel RGB (grayscale, palette and RGBA files
-are converted).
-
-Writing is atomic: the file is written under a temporary name in the target
-folder and moved into place with ``os.replace`` only when complete; on any
-error the temporary file is removed. An existing file is never replaced
-unless ``overwrite=True``. Videos are H.264 (libx264, falling back to MPEG-4
-part 2 when the PyAV build lacks it) in yuv420p, with the quality set by
-``crf``, in the container :mod:`.formats` names for the extension; the input's
-audio can be copied into the output (remuxed when the container can carry its
-codec, re-encoded to AAC otherwise).
-
-Every problem with a file the user named raises ``MediaError`` with a one-line
-message.
+The file is written under a temporary name in the target folder and moved into place with
+``os.replace`` only when complete; on any error the temporary file is removed. An existing file is
+never replaced unless ``overwrite=True``. Videos are H.264 (libx264, falling back to MPEG-4 part 2
+when the PyAV build lacks it) in yuv420p, with the quality set by ``crf``, in the container
+:mod:`.formats` names for the extension; the input's audio can be copied into the output (remuxed
+when the container can carry its codec, re-encoded to AAC otherwise).
 """
 
 from __future__ import annotations
@@ -24,40 +14,20 @@ import contextlib
 import os
 import re
 import secrets
-import stat
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
 import av
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
-from .formats import (  # noqa: F401 - the lists live in .formats; re-exported for old imports
-    IMAGE_EXTS,
-    MP4_AUDIO_CODECS,
-    VIDEO_EXTS,
-    WRITE_IMAGE_EXTS,
-    WRITE_VIDEO_EXTS,
-    audio_copy_codecs,
-    container,
-)
+from .formats import IMAGE_EXTS, WRITE_IMAGE_EXTS, WRITE_VIDEO_EXTS, audio_copy_codecs, container
+from .media import _check_input, _fail, _open_container, _to_fraction
 
-MIN_SIDE = 16
+
 AAC_BITRATE = 160_000
-
-
-class MediaError(ValueError):
-    """A media file cannot be read or written; the message is one line meant for the user."""
-
-
-def _fail(msg: str) -> MediaError:
-    return MediaError(" ".join(str(msg).split()))
-
-
-# ---------------------------------------------------------------- codecs
 
 
 def _has_encoder(name: str) -> bool:
@@ -76,366 +46,6 @@ def video_encoder() -> str:
 def available_encoders() -> dict[str, bool]:
     """Which of the encoders this module may use are present in the PyAV build."""
     return {n: _has_encoder(n) for n in ("libx264", "mpeg4", "aac", "libopus", "libmp3lame")}
-
-
-# ---------------------------------------------------------------- paths
-
-
-def media_kind(path: str | os.PathLike) -> str:
-    """``"image"``, ``"video"`` or ``"folder"`` by extension (or being a directory)."""
-    p = Path(path)
-    if p.is_dir():
-        return "folder"
-    ext = p.suffix.lower()
-    if ext in IMAGE_EXTS:
-        return "image"
-    if ext in VIDEO_EXTS:
-        return "video"
-    raise _fail(
-        f"{p}: unknown extension {ext or '(none)'!r}; videos: {' '.join(VIDEO_EXTS)}; images: {' '.join(IMAGE_EXTS)}"
-    )
-
-
-def _check_input(path: str | os.PathLike) -> Path:
-    """An existing regular file or folder; a pipe, socket or device would block or never end when read."""
-    p = Path(path)
-    try:
-        mode = p.stat().st_mode
-    except FileNotFoundError:
-        raise _fail(f"{p}: no such file or folder") from None
-    except OSError as e:
-        raise _fail(f"{p}: cannot be read ({e.strerror})") from None
-    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        raise _fail(f"{p}: not a regular file or a folder (pipes, sockets and devices are refused)")
-    return p
-
-
-def _check_size(p: Path, width: int, height: int) -> None:
-    if width < MIN_SIDE or height < MIN_SIDE:
-        raise _fail(f"{p}: frames are {width}x{height}; both sides must be at least {MIN_SIDE} px")
-
-
-def natural_key(name: str) -> list:
-    """Sort key that orders ``frame2`` before ``frame10``."""
-    return [int(t) if t.isdigit() else t.lower() for t in re.split(r"(\d+)", name)]
-
-
-def _to_fraction(fps: float | Fraction | int) -> Fraction:
-    if isinstance(fps, Fraction):
-        rate = fps
-    else:
-        if not np.isfinite(fps):
-            raise _fail(f"fps must be a finite number, got {fps}")
-        rate = Fraction(float(fps)).limit_denominator(1001 * 1000)
-    if rate <= 0:
-        raise _fail(f"fps must be positive, got {fps}")
-    return rate
-
-
-# ---------------------------------------------------------------- reading videos
-
-
-@dataclass(frozen=True)
-class VideoInfo:
-    """What is known about an input before decoding it."""
-
-    path: Path
-    width: int
-    height: int
-    fps: float
-    rate: Fraction  # exact frame rate when the container knows it
-    frames: int | None  # None when the container does not say
-    has_audio: bool
-    video_codec: str
-    audio_codec: str | None
-    kind: str = "video"  # "video", "image" or "folder"
-    rotation: int = 0  # degrees counter-clockwise the display matrix asked for; applied to the frames read
-
-    @property
-    def size(self) -> tuple[int, int]:
-        """``(width, height)``."""
-        return self.width, self.height
-
-
-def _open_container(p: Path):
-    try:
-        return av.open(str(p), "r")
-    except av.error.FileNotFoundError:
-        raise _fail(f"{p}: no such file") from None
-    except av.error.EOFError:
-        raise _fail(f"{p}: has no frames (the file ends before any video data)") from None
-    except (av.error.FFmpegError, OSError, UnicodeDecodeError) as e:
-        raise _fail(f"{p}: not a readable video ({type(e).__name__}: {e})") from None
-
-
-class VideoReader:
-    """Stream a video's frames as uint8 ``(n, 3, H, W)`` chunks.
-
-    Opening decodes the first frame, so a corrupt, empty or too-small file
-    fails here with ``MediaError`` rather than half-way through. Use as a
-    context manager or call ``close()``.
-    """
-
-    def __init__(self, path: str | os.PathLike, chunk: int = 16):
-        if chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {chunk}")
-        p = _check_input(path)
-        if p.is_dir():
-            raise _fail(f"{p}: is a folder, not a video")
-        self.chunk = chunk
-        self._container = _open_container(p)
-        try:
-            vs = self._container.streams.video
-            if not vs:
-                raise _fail(f"{p}: has no video stream")
-            stream = vs[0]
-            stream.thread_type = "AUTO"
-            audio = self._container.streams.audio
-            self._frames_iter = self._container.decode(stream)
-            self._rot = None  # quarter turns, from the first frame's display matrix
-            self._first = self._decode_next(p)
-            if self._first is None:
-                raise _fail(f"{p}: has no frames")
-            h, w = self._first.shape[-2:]  # after the rotation: the frames as they are meant to be shown
-            _check_size(p, w, h)
-            rate = stream.average_rate or stream.guessed_rate or stream.base_rate
-            rate = Fraction(rate) if rate else Fraction(0)
-            n = stream.frames or None
-            if n is None and stream.duration and stream.time_base and rate:
-                n = int(round(float(stream.duration * stream.time_base * rate)))
-            self.info = VideoInfo(
-                path=p,
-                width=int(w),
-                height=int(h),
-                fps=float(rate),
-                rate=rate,
-                frames=n,
-                has_audio=bool(audio),
-                video_codec=stream.codec_context.name,
-                audio_codec=audio[0].codec_context.name if audio else None,
-                rotation=(self._rot or 0) * 90,
-            )
-        except BaseException:
-            self._container.close()
-            raise
-
-    def _decode_next(self, p: Path) -> torch.Tensor | None:
-        try:
-            frame = next(self._frames_iter)
-        except (StopIteration, av.error.EOFError):
-            return None
-        except av.error.FFmpegError as e:
-            raise _fail(f"{p}: decoding failed ({type(e).__name__}: {e})") from None
-        if self._rot is None:  # the first frame: its display matrix
-            self._rot = _quarter_turns(getattr(frame, "rotation", 0) or 0)
-        arr = frame.to_ndarray(format="rgb24")
-        t = torch.from_numpy(arr).permute(2, 0, 1)
-        if self._rot:  # apply the display rotation (counter-clockwise), so the output plays upright
-            t = torch.rot90(t, self._rot, dims=(1, 2)).contiguous()
-        return t
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        p = self.info.path
-        buf: list[torch.Tensor] = []
-        if self._first is not None:
-            buf.append(self._first)
-            self._first = None
-        while True:
-            f = self._decode_next(p)
-            if f is None:
-                break
-            if f.shape[-2:] != (self.info.height, self.info.width):
-                raise _fail(f"{p}: frame size changes mid-stream ({self.info.width}x{self.info.height} -> "
-                            f"{f.shape[-1]}x{f.shape[-2]})")
-            buf.append(f)
-            if len(buf) == self.chunk:
-                yield torch.stack(buf)
-                buf = []
-        if buf:
-            yield torch.stack(buf)
-
-    def close(self) -> None:
-        self._container.close()
-
-    def __enter__(self) -> VideoReader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _quarter_turns(degrees: float) -> int:
-    """A display rotation as counter-clockwise quarter turns (0..3); angles between are rounded."""
-    return int(round(float(degrees) / 90.0)) % 4
-
-
-def frame_times(path: str | os.PathLike, rate: Fraction | float | None = None) -> list[float] | None:
-    """Each frame's presentation time in seconds from the first, when the video's frame rate varies
-    (variable frame rate, a GIF's per-frame delays); None when every frame lasts ``1/rate``.
-
-    Read from the packets (no decoding). A writer given these times keeps them, so frames stay in step
-    with the copied audio instead of being re-timed to a constant rate.
-    """
-    p = _check_input(path)
-    with _open_container(p) as c:
-        stream = c.streams.video[0]
-        tb = stream.time_base
-        pts = sorted(pkt.pts for pkt in c.demux(stream) if pkt.pts is not None)
-    if len(pts) < 2 or tb is None:
-        return None
-    times = [float((x - pts[0]) * tb) for x in pts]
-    gaps = np.diff(times)
-    if rate:
-        step = 1.0 / float(rate)
-        if np.all(np.abs(gaps - step) <= 0.01 * step + 1e-4):
-            return None
-    elif np.ptp(gaps) <= 1e-4:
-        return None
-    return times
-
-
-def probe(path: str | os.PathLike) -> VideoInfo:
-    """Info about a video, an image or a folder of frames (decodes one frame)."""
-    p = _check_input(path)
-    kind = media_kind(p)
-    if kind == "video":
-        with VideoReader(p, chunk=1) as r:
-            return r.info
-    if kind == "image":
-        img = read_image(p)
-        return VideoInfo(p, img.shape[-1], img.shape[-2], 0.0, Fraction(0), 1, False, p.suffix[1:].lower(), None,
-                         "image")
-    files = list_frames(p)
-    first = read_image(files[0])
-    _check_folder_sizes(files, (first.shape[-1], first.shape[-2]))
-    return VideoInfo(p, first.shape[-1], first.shape[-2], 0.0, Fraction(0), len(files), False, "images", None,
-                     "folder")
-
-
-def _check_folder_sizes(files: list[Path], size: tuple[int, int]) -> None:
-    """Every frame of a folder has the first one's size: read from the file headers (no decoding), so a
-    frame of another size is refused before any work, not after earlier windows were computed."""
-    for f in files[1:]:
-        try:
-            with Image.open(f) as im:
-                got = im.size
-        except (OSError, ValueError) as e:
-            raise _fail(f"{f}: not a readable image ({e})") from None
-        if got != size:
-            raise _fail(f"{f}: is {got[0]}x{got[1]} but the first frame is {size[0]}x{size[1]}")
-
-
-def count_frames(path: str | os.PathLike) -> int:
-    """Exact number of video frames, by reading the packets without decoding them.
-
-    For containers that do not store a frame count (mkv, webm, some mov).
-    """
-    p = _check_input(path)
-    with contextlib.closing(_open_container(p)) as c:
-        if not c.streams.video:
-            raise _fail(f"{p}: has no video stream")
-        try:
-            return sum(1 for pkt in c.demux(c.streams.video[0]) if pkt.size)
-        except av.error.FFmpegError as e:
-            raise _fail(f"{p}: reading failed ({type(e).__name__}: {e})") from None
-
-
-def read_video(path: str | os.PathLike, chunk: int = 16) -> Iterator[torch.Tensor]:
-    """Generator of uint8 ``(n, 3, H, W)`` chunks of a video file."""
-    with VideoReader(path, chunk) as r:
-        yield from r
-
-
-# ---------------------------------------------------------------- images and folders
-
-
-def read_image(path: str | os.PathLike) -> torch.Tensor:
-    """An image file as uint8 ``(1, 3, H, W)`` RGB."""
-    p = _check_input(path)
-    if p.is_dir():
-        raise _fail(f"{p}: is a folder, not an image")
-    if p.suffix.lower() not in IMAGE_EXTS:
-        raise _fail(f"{p}: unknown image extension {p.suffix or '(none)'!r}; images: {' '.join(IMAGE_EXTS)}")
-    try:
-        with Image.open(p) as im:
-            im.load()
-            if im.mode.startswith("I"):  # 16-bit (or 32-bit int) greyscale: scale by its range, not clip at 255
-                arr = _grey_to_u8(np.asarray(im), im.mode)
-                _check_size(p, arr.shape[1], arr.shape[0])
-                return torch.from_numpy(np.repeat(arr[None], 3, axis=0).copy()).unsqueeze(0)
-            rgb = im.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise _fail(f"{p}: not a readable image ({type(e).__name__}: {e})") from None
-    _check_size(p, rgb.width, rgb.height)
-    arr = np.asarray(rgb, dtype=np.uint8)
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1).unsqueeze(0)
-
-
-def _grey_to_u8(arr: np.ndarray, mode: str) -> np.ndarray:
-    """Integer greyscale to uint8 by the format's range: 16 bits (PNG's ``I;16``/``I``) unless values exceed it."""
-    a = arr.astype(np.float64)
-    top = 65535.0 if a.max(initial=0) <= 65535 else float(a.max())
-    return np.clip(np.round(a * (255.0 / top)), 0, 255).astype(np.uint8)
-
-
-def list_frames(folder: str | os.PathLike) -> list[Path]:
-    """The image files of a folder in natural order (``2.png`` before ``10.png``); hidden files skipped."""
-    p = _check_input(folder)
-    if not p.is_dir():
-        raise _fail(f"{p}: is not a folder")
-    files = [f for f in p.iterdir() if not f.name.startswith(".") and f.suffix.lower() in IMAGE_EXTS]
-    for f in files:
-        _check_input(f)  # a pipe named like a frame is refused, not read (f.is_file() would skip a folder)
-    files = [f for f in files if f.is_file()]
-    if not files:
-        raise _fail(f"{p}: no image files ({' '.join(IMAGE_EXTS)}) in the folder")
-    return sorted(files, key=lambda f: natural_key(f.name))
-
-
-def read_frame_folder(folder: str | os.PathLike, chunk: int = 16) -> Iterator[torch.Tensor]:
-    """Generator of uint8 ``(n, 3, H, W)`` chunks of a folder of same-size images."""
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    files = list_frames(folder)
-    size = None
-    buf: list[torch.Tensor] = []
-    for f in files:
-        img = read_image(f)[0]
-        if size is None:
-            size = img.shape
-        elif img.shape != size:
-            raise _fail(f"{f}: is {img.shape[2]}x{img.shape[1]} but the first frame is {size[2]}x{size[1]}")
-        buf.append(img)
-        if len(buf) == chunk:
-            yield torch.stack(buf)
-            buf = []
-    if buf:
-        yield torch.stack(buf)
-
-
-def open_media(path: str | os.PathLike, chunk: int = 16) -> tuple[VideoInfo, Iterator[torch.Tensor]]:
-    """``(info, chunks)`` for a video file, an image or a folder of frames.
-
-    The video is opened (and checked) before this returns; the chunk iterator
-    closes it when exhausted.
-    """
-    p = _check_input(path)
-    kind = media_kind(p)
-    if kind == "video":
-        r = VideoReader(p, chunk)
-
-        def gen() -> Iterator[torch.Tensor]:
-            with r:
-                yield from r
-
-        return r.info, gen()
-    info = probe(p)
-    if kind == "image":
-        return info, iter([read_image(p)])
-    return info, read_frame_folder(p, chunk)
-
-
-# ---------------------------------------------------------------- atomic writes
 
 
 def _check_output(path: str | os.PathLike, exts: tuple[str, ...], overwrite: bool) -> Path:
@@ -460,7 +70,6 @@ def _temp_name(p: Path) -> Path:
     return p.with_name(f".{p.stem}.tmp-{os.getpid()}-{secrets.token_hex(4)}{p.suffix}")
 
 
-# our temporary files only: ".<stem>.tmp-<pid>-<8 hex><ext>" (what _temp_name makes)
 _TEMP_RE = re.compile(r"^\.(?P<stem>.*)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}(?P<ext>\.[A-Za-z0-9]{1,5})$")
 
 
@@ -520,9 +129,6 @@ def atomic_path(path: str | os.PathLike, exts: tuple[str, ...], overwrite: bool 
             tmp.unlink()
 
 
-# ---------------------------------------------------------------- writing images
-
-
 def _hwc(frame: torch.Tensor | np.ndarray) -> np.ndarray:
     x = frame.detach().cpu().numpy() if isinstance(frame, torch.Tensor) else np.asarray(frame)
     if x.ndim == 4 and x.shape[0] == 1:
@@ -550,9 +156,6 @@ def write_image(path: str | os.PathLike, frame: torch.Tensor | np.ndarray, *, ov
         except OSError as e:
             raise _fail(f"{p}: writing failed ({e})") from None
     return p
-
-
-# ---------------------------------------------------------------- writing videos
 
 
 def _thwc_chunk(frames: torch.Tensor | np.ndarray) -> np.ndarray:
