@@ -159,3 +159,18 @@ def test_no_process_wide_registry_keyed_by_comm():
                 found.append(f"{path.relative_to(ROOT.parent)}:{n.lineno}: {ast.unparse(n)[:100]}")
     assert not found, "process-wide registries keyed by Comm (hold the state on the object that uses it):\n" + \
         "\n".join(found)
+
+
+def test_every_row_all_to_all_goes_through_the_transport():
+    """``<comm>.all_to_all_single(...)`` only in ditsp/distributed/ (the transport, and Comm's own reduction
+    primitives) and in the benchmarks that time the raw primitive: every other all-to-all of rows goes
+    through :class:`ditsp.distributed.transport.Transport` (one policy, chunking, agreement)."""
+    allowed = ("ditsp.distributed", "ditsp.bench.link") + tuple(COLLECTIVE_BASELINES)
+    found = []
+    for mod, path in MODULES.items():
+        if mod.startswith(allowed):
+            continue
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "all_to_all_single":
+                found.append(f"{path.relative_to(ROOT.parent)}:{n.lineno}")
+    assert not found, "all-to-alls outside the transport:\n" + "\n".join(found)

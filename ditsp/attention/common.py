@@ -116,13 +116,6 @@ def default_scale(q: torch.Tensor, scale: float | None) -> float:
 # -- gathers whose backward is a reduce-scatter --------------------------------
 
 
-def reduce_scatter_rows(comm: Comm, full: torch.Tensor, rows: Sequence[int], kind: str = "reduce_scatter"):
-    """Sum over ranks of ``full[my rows]`` (every rank holds a full partial), via one all-to-all."""
-    me, n = comm.rank, comm.world_size
-    recv = comm.all_to_all_single(full.contiguous(), rows, [rows[me]] * n, kind=kind)
-    return recv.view(n, rows[me], *full.shape[1:]).sum(0)
-
-
 class GatherRows(torch.autograd.Function):
     """All-gather uneven shares along ``dim``; backward reduce-scatters (sum convention)."""
 
@@ -134,7 +127,7 @@ class GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        d = reduce_scatter_rows(ctx.comm, g.movedim(ctx.dim, 0), ctx.rows, kind=ctx.kind + "_bwd")
+        d = ctx.comm.reduce_scatter_rows(g.movedim(ctx.dim, 0), ctx.rows, kind=ctx.kind + "_bwd")
         return d.movedim(0, ctx.dim), None, None, None, None
 
 

@@ -167,6 +167,17 @@ class Comm:
         self.stats.add(kind, _nbytes_rows(t, rows[self.rank] * (self.world_size - 1)), _nbytes_rows(t, others))
         return [o[:n] for o, n in zip(outs, rows)]
 
+    def reduce_scatter_rows(self, full: torch.Tensor, rows: Sequence[int], kind: str = "reduce_scatter") -> torch.Tensor:
+        """Sum over ranks of ``full[my rows]``: every rank holds a full partial (``sum(rows)`` rows) and gets
+        its own ``rows[rank]`` rows summed in rank order (the backward of :meth:`all_gather_rows`).
+
+        One all-to-all of the partials, since gloo has no reduce-scatter: it is a reduction, not a row
+        exchange, so it is the group's primitive here rather than the transport's."""
+        rows = [int(r) for r in rows]
+        me, n = self.rank, self.world_size
+        recv = self.all_to_all_single(full.contiguous(), rows, [rows[me]] * n, kind=kind)
+        return recv.view(n, rows[me], *full.shape[1:]).sum(0)
+
     def broadcast(self, t: torch.Tensor, src: int, kind: str = "broadcast") -> torch.Tensor:
         """``t`` from group rank ``src`` to every rank, in place (receivers pass a buffer of the same shape)."""
         if self.world_size > 1:
