@@ -33,6 +33,7 @@ from ...distributed.comm import Comm, CommStats
 from ...distributed.heartbeat import beat
 from ...fixed_shape import shapes_for
 from ...fixed_shape import use as use_kernel_shapes
+from .compiled import compile_dit, compile_vae, describe, stance
 from ...memory import PeakMemory
 from ...windows.ownership import RowOwnership
 from .parallelize import parallelize
@@ -131,9 +132,14 @@ def _transform(req: UpscaleRequest, frames: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def rank_upscale(ctx, req: UpscaleRequest) -> dict:
     """One rank's share of a restoration; rank 0 writes the output and returns the full report."""
-    with use_kernel_shapes(shapes_for(req.deterministic)):  # the VAE's calls; the DiT's come from its runtime
-        report = _rank_upscale(ctx, req)
+    with use_kernel_shapes(shapes_for(req.deterministic)), stance(req.compile):  # the VAE's calls; the DiT's
+        report = _rank_upscale(ctx, req)                                      # come from its runtime
     report["kernel_shapes"] = shapes_for(req.deterministic).describe()
+    if req.compile:  # the models stay compiled in this process's cache: a server's next job reuses them
+        models = load(req.weights, ctx.device)
+        report["compile"] = describe(models.dit, models.vae)
+    else:
+        report["compile"] = "eager"
     return report
 
 
@@ -146,6 +152,9 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
     group = ctx.group if ctx.world_size > 1 else None
     device = ctx.device
     models = load(req.weights, device)
+    if req.compile:
+        compile_dit(models.dit)
+        compile_vae(models.vae)
     vae = models.vae
     info, chunks = open_media(req.input)
     frames_total = info.frames
