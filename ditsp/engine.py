@@ -27,6 +27,7 @@ from .distributed.launcher import LocalCluster, RankContext, init_from_env
 from .fixed_shape import DEFAULT_DETERMINISTIC, shapes_for
 from .memory import PeakMemory
 from .models import resident
+from .models.seedvr2.compiled import compile_dit, describe, stance
 
 from .dtypes import DTYPES  # noqa: F401 - the one table; re-exported for old imports
 from .models.seedvr2.nadit.model import build_model
@@ -72,6 +73,9 @@ class RunSpec:
     deterministic: bool = DEFAULT_DETERMINISTIC
     weights_dtype: str | None = None
     offload_blocks: int = 0  # ditsp/weights/offload.py
+    # torch.compile of the blocks (ditsp.models.seedvr2.compiled): one warm-up forward compiles before the
+    # timed ones; the compiled blocks stay with the engine's cached model
+    compile: bool = False
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -176,19 +180,9 @@ def rank_forward(ctx: RankContext, spec: RunSpec, return_output: bool = True) ->
         latent_shape = vid.shape
         vid = vid.reshape(-1, vid.shape[-1]).index_select(0, ids)
     times, memory = [], PeakMemory(ctx.device)
-    for i in range(spec.warmup + spec.repeats):
-        rt.comm.stats.reset()  # the report shows one forward's collectives (all are alike)
-        if i == spec.warmup:
-            memory.start()
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = model(vid, txt, 1000.0, runtime=rt, rows=rows)
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
-        if i >= spec.warmup:
-            times.append(time.perf_counter() - t0)
+    with stance(spec.compile):
+        compile_s = _compile_warmup(model, vid, txt, rt, rows) if spec.compile else None
+        out = _timed(spec, ctx, model, vid, txt, rt, rows, times, memory)
     peak = memory.peak_added()
     stats = rt.comm.stats
     collectives = stats.as_dict()
@@ -206,9 +200,39 @@ def rank_forward(ctx: RankContext, spec: RunSpec, return_output: bool = True) ->
         "collectives": collectives,
         "report": rt.report(heads=model.cfg.heads),
         "kernel_shapes": rt.kernel_shapes.describe(),
+        "compile": describe(model) if spec.compile else "eager",
+        "compile_warmup_s": compile_s,
         "output": out.float().cpu() if return_output and ctx.rank == 0 else None,
         "offload": model.block_offload.report() if getattr(model, "block_offload", None) else None,
     }
+
+
+def _compile_warmup(model, vid, txt, rt, rows) -> float:
+    """Compile the blocks (once per model) and run one untimed forward: the shape family's compile."""
+    compile_dit(model)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(vid, txt, 1000.0, runtime=rt, rows=rows)
+    return time.perf_counter() - t0
+
+
+def _timed(spec: RunSpec, ctx, model, vid, txt, rt, rows, times: list, memory: PeakMemory) -> torch.Tensor:
+    """The warm-up and timed forwards (their times appended to ``times``); returns the last output."""
+    out = None
+    for i in range(spec.warmup + spec.repeats):
+        rt.comm.stats.reset()  # the report shows one forward's collectives (all are alike)
+        if i == spec.warmup:
+            memory.start()
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model(vid, txt, 1000.0, runtime=rt, rows=rows)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        if i >= spec.warmup:
+            times.append(time.perf_counter() - t0)
+    return out
 
 
 def run(spec: RunSpec, check: bool = False, threads: int = 1, timeout_s: float = 3600.0,
@@ -225,6 +249,8 @@ def summarize(spec: RunSpec, results: list[dict], check: bool, threads: int) -> 
         "world_size": spec.sp,
         "path": results[0]["report"],
         "kernel_shapes": results[0]["kernel_shapes"],
+        "compile": results[0]["compile"],
+        "compile_warmup_s": [r["compile_warmup_s"] for r in results] if spec.compile else None,
         "rank_time_s": [min(r["times_s"]) for r in results],
         "rank_median_s": [statistics.median(r["times_s"]) for r in results],
         "rank_peak_bytes": [r["peak_bytes"] for r in results],
@@ -241,7 +267,7 @@ def summarize(spec: RunSpec, results: list[dict], check: bool, threads: int) -> 
         model, vid, txt = build_for(spec)
         one = model.single_runtime(model.grid_of(vid.shape))
         one.kernel_shapes = shapes_for(spec.deterministic)  # one device runs the same calls (or plain ones)
-        with torch.no_grad():
+        with torch.no_grad(), stance(False):  # the eager reference, even where this process's model is compiled
             ref = model(vid, txt, 1000.0, runtime=one).float()
         summary["max_abs_err"] = float((out - ref).abs().max())
         summary["ref_max_abs"] = float(ref.abs().max())

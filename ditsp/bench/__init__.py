@@ -29,4 +29,5 @@ def add_parser(sub) -> argparse.ArgumentParser:
     __import__(f"{__name__}.diffusers", fromlist=["add_parser"]).add_parser(bsub)
     __import__(f"{__name__}.weights", fromlist=["add_parser"]).add_parser(bsub)
     __import__(f"{__name__}.weights_sp", fromlist=["add_parser"]).add_parser(bsub)
+    __import__(f"{__name__}.speed", fromlist=["add_parser"]).add_parser(bsub)
     return p

@@ -45,6 +45,13 @@ def add_deterministic_arg(p: argparse.ArgumentParser, default: bool = DEFAULT_DE
                         f"({on}); --no-deterministic runs plain calls, equal within tolerance ({off})")
 
 
+def add_compile_arg(p: argparse.ArgumentParser) -> None:
+    """``--compile``: torch.compile of the DiT blocks and the VAE (ditsp.models.seedvr2.compiled)."""
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile (inductor) the DiT blocks and the VAE's GroupNorm+SiLU; the first forward of "
+                        "each shape family compiles; needs --no-deterministic; the report says whether it ran compiled")
+
+
 def add_request_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--grid", help="post-patch token grid T,H,W (e.g. 21,45,80)")

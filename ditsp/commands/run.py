@@ -19,7 +19,7 @@ from ..engine import DTYPES
 from ..memory import RANK_BASE_BYTES, RANKS_PER_CORE_LIMIT
 from ..weights.fp8 import WEIGHTS_DTYPES
 from ..models.seedvr2.nadit.config import PRESETS
-from .common import (add_deterministic_arg, add_plan_limit_args, add_request_args, check_layers, check_plan_size, check_planner,
+from .common import (add_compile_arg, add_deterministic_arg, add_plan_limit_args, add_request_args, check_layers, check_plan_size, check_planner,
                      nonneg_int, positive_float, positive_int, resolve_grid)
 
 GiB = 2**30
@@ -44,6 +44,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="Plan A (window), Ulysses baseline, halo-slab Plan B, or auto (cost model)")
     p.add_argument("--check", action="store_true", help="also run single-device and print the parity error")
     add_deterministic_arg(p)
+    add_compile_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=nonneg_int, default=0, help="forwards before the timed ones")
@@ -160,6 +161,13 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..windows.schedule import plan_limits
 
     check_layers(parser, args.layers, args.model, strict=bool(args.checkpoint))
+    if args.compile:
+        from ..models.seedvr2.compiled import check_policy
+
+        try:
+            check_policy(args.deterministic)
+        except ValueError as e:
+            parser.error(str(e))
     if args.planner is not None:
         check_planner(parser, args.planner)
     if args.checkpoint and not os.path.isfile(args.checkpoint):
@@ -172,7 +180,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     check_resources(parser, args, cfg, grid, plan.bytes)
     spec = RunSpec(model=args.model, grid=grid, sp=args.sp, layers=args.layers, checkpoint=args.checkpoint,
                    dtype=args.dtype, planner=args.planner, path=args.path, seed=args.seed,
-                   warmup=args.warmup, repeats=args.repeats, deterministic=args.deterministic,
+                   warmup=args.warmup, repeats=args.repeats, deterministic=args.deterministic, compile=args.compile,
                    weights_dtype=None if args.weights_dtype == "stored" else args.weights_dtype,
                    offload_blocks=args.offload_blocks)
     try:
@@ -199,6 +207,8 @@ def format_run(summary: dict) -> str:
     lines = [
         f"{s['model']} ({s['layers'] or 'all'} layers), grid {tuple(s['grid'])}, {s['dtype']}: {summary['path']}",
         f"kernel calls: {summary['kernel_shapes']}",
+        f"compile: {summary.get('compile', 'eager')}"
+        + (f" (warm-up compile {max(summary['compile_warmup_s']):.1f} s, max rank)" if summary.get("compile_warmup_s") else ""),
         f"{'rank':>5} {'time s':>9} {'peak MiB':>9} {'sent MiB':>9} {'calls':>6}",
     ]
     for r, (t, p, b, c) in enumerate(zip(summary["rank_time_s"], summary["rank_peak_bytes"],

@@ -16,7 +16,7 @@ import sys
 from ..dtypes import NAMES as DTYPE_NAMES
 from ..models.seedvr2.presets import MODELS
 from ..fixed_shape import SERVE_DETERMINISTIC
-from .common import add_deterministic_arg
+from .common import add_compile_arg, add_deterministic_arg
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -40,6 +40,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--job-timeout", type=float, default=3600.0, help="seconds a job may go without progress before it is declared stuck")
     p.add_argument("--no-respawn", action="store_true", help="do not replace lost ranks with new workers")
     add_deterministic_arg(p, default=SERVE_DETERMINISTIC)
+    add_compile_arg(p)
     p.add_argument("--retention-hours", type=float, metavar="H",
                    help="delete results of jobs finished more than H hours ago (default: keep them)")
     p.set_defaults(func=main)
@@ -73,6 +74,10 @@ def settings_from(args):
         raise ValueError(f"--retention-hours must be a number > 0, got {args.retention_hours}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.compile:
+        from ..models.seedvr2.compiled import check_policy
+
+        check_policy(args.deterministic)
     for flag, path in (("--dit", args.dit), ("--vae", args.vae), ("--text-embedding", args.text_embedding)):
         if path and not os.path.isfile(path):
             raise ValueError(f"{flag} {path}: no such file")
@@ -94,7 +99,7 @@ def settings_from(args):
                     text_embedding=args.text_embedding, dtype=args.dtype, token=token,
                     allow_input=list(args.allow_input), max_upload_mb=args.max_upload_mb, threads=args.threads,
                     timeout_s=args.timeout, job_timeout_s=args.job_timeout, respawn=not args.no_respawn,
-                    deterministic=args.deterministic,
+                    deterministic=args.deterministic, compile=args.compile,
                     retention_hours=args.retention_hours)
 
 
@@ -124,7 +129,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sock.close()
         return _fail(str(e))
     host, port = sock.getsockname()[:2]
-    print(f"ditsp serve: listening on http://{host}:{port} (SP={settings.sp}, model {settings.model}, "
+    print(f"ditsp serve: listening on http://{host}:{port} (SP={settings.sp}, model {settings.model}"
+          f"{', compiled' if settings.compile else ''}, "
           f"data {os.path.abspath(settings.data_dir)})", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     server.run(sockets=[sock])

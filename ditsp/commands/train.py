@@ -14,7 +14,7 @@ import os
 import sys
 from dataclasses import asdict
 
-from .common import positive_int
+from .common import add_compile_arg, positive_int
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -42,6 +42,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=positive_int, default=50)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (bit-exact)")
     p.add_argument("--check", action="store_true", help="one step on one device vs SP: print the max gradient difference")
+    add_compile_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON report")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds any collective may wait")
@@ -61,7 +62,7 @@ def config_of(args):
                        frames=args.frames, size=(h, w), sp=args.sp, path=args.path, planner=args.planner,
                        model=args.model, dit=args.dit, vae=args.vae,
                        freeze=tuple(s for s in args.freeze.split(",") if s),
-                       activation_checkpointing=args.activation_checkpointing,
+                       activation_checkpointing=args.activation_checkpointing, compile=args.compile,
                        checkpoint_every=args.checkpoint_every, resume=args.resume,
                        progress=not (args.no_progress or args.json), json=args.json)
 
@@ -103,7 +104,8 @@ def run(args, parser) -> int:
                   f"(max |grad| {c['max_grad']:.3g}, relative {c['relative']:.2g})")
     elif not args.json:
         print(f"trained {cfg.objective}: {result['steps']} steps (from {result['resumed_from']}), "
-              f"loss {result['first_loss']:.4g} -> {result['final_loss']:.4g}, {result['s_per_step']} s/step; "
+              f"loss {result['first_loss']:.4g} -> {result['final_loss']:.4g}, {result['s_per_step']} s/step "
+              f"({result['compile']}); "
               f"weights in {cfg.out}")
     if args.json:
         print(json.dumps({**result, "config": asdict(cfg)} if not args.check else result))

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..errors import one_line
 from ..io.formats import WRITE_IMAGE_EXTS, WRITE_VIDEO_EXTS
 from ..models.seedvr2 import request
-from .common import add_deterministic_arg
+from .common import add_compile_arg, add_deterministic_arg
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -66,6 +66,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seconds a rank may go without progress (no collective, no stage done) before it counts as stuck")
     p.add_argument("--plot", metavar="FILE.png", help="picture of input vs output frames and the stage timeline")
     add_deterministic_arg(p)
+    add_compile_arg(p)
     p.add_argument("--check", action="store_true",
                    help="also restore on one device (to a temporary file) and report whether the frames match")
     p.add_argument("--reference", metavar="CLEAN", help="clean video/image/frame folder of the output's size: "

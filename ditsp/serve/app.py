@@ -61,6 +61,7 @@ class Settings:
     job_timeout_s: float = 3600.0
     respawn: bool = True
     deterministic: bool = SERVE_DETERMINISTIC  # fixed-shape kernel calls: a re-run job (any SP degree) writes the same frames
+    compile: bool = False  # torch.compile'd models, kept compiled in each worker's model cache across jobs
     retention_hours: float | None = None  # results of finished jobs deleted after this long (None: kept)
 
     @property
@@ -354,4 +355,4 @@ def job_options(settings: Settings, src: str, out: str, opts: dict) -> job_reque
     return job_request.from_http(opts, input=src, output=out, sp=settings.sp, model=settings.model, dit=settings.dit,
                              vae=settings.vae, text_embedding=settings.text_embedding, dtype=settings.dtype,
                              threads=settings.threads, timeout=settings.job_timeout_s,
-                             deterministic=settings.deterministic)
+                             deterministic=settings.deterministic, compile=settings.compile)

@@ -26,6 +26,7 @@ import torch
 from ..config import ParallelConfig
 from ..distributed.autograd import reduce_gradients
 from ..distributed.comm import Comm
+from ..models.seedvr2.compiled import compile_dit, compile_vae, describe
 from ..models.seedvr2.nadit.model import NaDiT, build_model
 from ..models.seedvr2.vae.config import PRESETS as VAE_PRESETS
 from ..models.seedvr2.vae.model import VideoVAE
@@ -59,6 +60,9 @@ class TrainConfig:
     vae: str | None = None  # initial VAE weights (safetensors); default: seeded
     freeze: tuple = ()  # DiT parameter-name prefixes kept fixed
     activation_checkpointing: bool = False
+    # torch.compile of the DiT blocks and the VAE's GroupNorm+SiLU (ditsp.models.seedvr2.compiled); the DiT's
+    # runtime then runs plain kernel calls (compiled kernels are not fixed-shape calls)
+    compile: bool = False
     checkpoint_every: int = 50
     resume: bool = False
     progress: bool = True
@@ -126,6 +130,9 @@ class Trainer:
         self.cfg, self.group = cfg, group
         self.comm = Comm.of(group)
         self.dit, self.vae, self.modules, self.params = build(cfg)
+        if cfg.compile:
+            compile_dit(self.dit)
+            compile_vae(self.vae)
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.data = ClipPairs(cfg.frames, cfg.size, cfg.seed)
         self.text = text_embedding(self.dit)
@@ -144,7 +151,8 @@ class Trainer:
 
             grid = self.dit.grid_of(latent_shape)
             pc = ParallelConfig.window(self.comm.world_size, window_path=self.cfg.path,
-                                       window_planner=self.cfg.planner if self.cfg.path == "window" else None)
+                                       window_planner=self.cfg.planner if self.cfg.path == "window" else None,
+                                       **({"deterministic": False} if self.cfg.compile else {}))
             self._runtime = parallelize(self.dit.cfg, pc, grid, self.group)
         return self._runtime
 
@@ -213,7 +221,8 @@ class Trainer:
                   "path": cfg.path, "final_loss": self.losses[-1] if self.losses else None,
                   "first_loss": self.losses[0] if self.losses else None,
                   "seconds": round(elapsed, 2), "s_per_step": round(elapsed / max(1, self.step - start), 3),
-                  "trainable_parameters": sum(p.numel() for p in self.params), "out": cfg.out}
+                  "trainable_parameters": sum(p.numel() for p in self.params), "out": cfg.out,
+                  "compile": describe(self.dit, self.vae)}
         if self.rank0:
             out = Path(cfg.out)
             for name, m in self.modules.items():

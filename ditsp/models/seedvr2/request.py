@@ -78,6 +78,7 @@ class UpscaleRequest:
     sample_frames: int = 0  # keep this many (input, output) frame pairs for a picture
     handoff: bool = True  # height-sharded VAE: slabs straight to the DiT's windows (False: gather, then scatter)
     deterministic: bool = DEFAULT_DETERMINISTIC  # fixed-shape kernel calls in the DiT and the VAE: the same frames at every SP degree
+    compile: bool = False  # torch.compile of the DiT blocks and the VAE (compiled.py); needs deterministic=False
 
 
 @dataclass
@@ -113,6 +114,7 @@ class Options:
     sample_frames: int = 0
     progress: bool = True
     deterministic: bool = DEFAULT_DETERMINISTIC
+    compile: bool = False
 
 
 def from_args(args) -> Options:
@@ -159,7 +161,8 @@ def parse_http_options(opts) -> dict:
 
 def from_http(opts: dict, *, input: str, output: str, **server) -> Options:
     """A server job: its checked HTTP options (``format`` already chosen the output's name) and the server's
-    own settings (``sp``, ``model``, checkpoints, ``dtype``, ``threads``, ``timeout``, ``deterministic``)."""
+    own settings (``sp``, ``model``, checkpoints, ``dtype``, ``threads``, ``timeout``, ``deterministic``,
+    ``compile``)."""
     job = {k: v for k, v in opts.items() if k != "format"}
     return Options(input=input, output=output, **server, **job, progress=False)
 
@@ -212,6 +215,10 @@ def check(o: Options) -> Checked:
         raise ValueError(f"--fps must be in (0, 1000], got {o.fps}")
     if not 0 <= o.crf <= 51:
         raise ValueError(f"--crf must be in 0..51, got {o.crf}")
+    if o.compile:
+        from .compiled import check_policy
+
+        check_policy(o.deterministic)
     _choice("--color-fix", o.color_fix, COLOR_FIXES)
     _choice("--vae-mode", o.vae_mode, VAE_MODES)
     if o.planner is not None:
@@ -268,6 +275,7 @@ def check(o: Options) -> Checked:
         color_fix=o.color_fix, window_frames=o.window_frames, overlap=o.overlap, vae_mode=o.vae_mode,
         vae_chunk=o.vae_chunk, budget_gib=o.max_memory, planner=o.planner, sp=o.sp, crf=o.crf, fps=o.fps,
         overwrite=o.overwrite, progress=o.progress, sample_frames=o.sample_frames, deterministic=o.deterministic,
+        compile=o.compile,
     )
     window = min(o.window_frames or padded_length(frames), padded_length(frames))
     return Checked(req, info, frames, geo, window)

@@ -34,6 +34,7 @@ from ...distributed.transport import Transport
 from ...distributed.heartbeat import beat
 from ...fixed_shape import shapes_for
 from ...fixed_shape import use as use_kernel_shapes
+from .compiled import compile_dit, compile_vae, describe, stance
 from ...memory import PeakMemory
 from ...windows.ownership import RowOwnership
 from .parallelize import parallelize
@@ -136,9 +137,14 @@ def _transform(req: UpscaleRequest, frames: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def rank_upscale(ctx, req: UpscaleRequest) -> dict:
     """One rank's share of a restoration; rank 0 writes the output and returns the full report."""
-    with use_kernel_shapes(shapes_for(req.deterministic)):  # the VAE's calls; the DiT's come from its runtime
-        report = _rank_upscale(ctx, req)
+    with use_kernel_shapes(shapes_for(req.deterministic)), stance(req.compile):  # the VAE's calls; the DiT's
+        report = _rank_upscale(ctx, req)                                      # come from its runtime
     report["kernel_shapes"] = shapes_for(req.deterministic).describe()
+    if req.compile:  # the models stay compiled in this process's cache: a server's next job reuses them
+        models = load(req.weights, ctx.device)
+        report["compile"] = describe(models.dit, models.vae)
+    else:
+        report["compile"] = "eager"
     return report
 
 
@@ -151,6 +157,9 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
     comm = Comm.of(group)
     models = load(req.weights, device, comm=comm)  # a bad checkpoint: the same error on every rank
     comm.stats.reset()  # the report counts the restoration's traffic, not the weights' load
+    if req.compile:
+        compile_dit(models.dit)
+        compile_vae(models.vae)
     vae = models.vae
     info, chunks = open_media(req.input)
     frames_total = info.frames

@@ -22,6 +22,18 @@ from .rope import MMRope3d, RopeBuffer
 from .tokenwise import TokenLinear, mark_replicated_rows
 
 ATTN, MLP = 0, 1  # AdaSingle layer slots
+
+
+@torch.compiler.disable
+def attend(runtime, *args):
+    """``runtime.attend``: outside any compiled graph (its collectives and per-window-shape loops run eager)."""
+    return runtime.attend(*args)
+
+
+@torch.compiler.disable
+def reduce_text(runtime, txt_sum: torch.Tensor, layer: int) -> torch.Tensor:
+    """``runtime.reduce_text`` (one all-reduce): outside any compiled graph."""
+    return runtime.reduce_text(txt_sum, layer)
 SHIFT, SCALE, GATE = 0, 1, 2
 
 
@@ -122,12 +134,13 @@ class WindowMMAttention(nn.Module):
         tq, tk, tv = self._qkv(txt, "txt")
         tq, tk = self.rope.text(tq), self.rope.text(tk)
         L = txt.shape[0]
-        out, tsum = runtime.attend(q, k, v, tq if txt_out else None, tk, tv, pack, lambda x, shape: self.rope.video(x, shape, L))
+        out, tsum = attend(runtime, q, k, v, tq if txt_out else None, tk, tv, pack,
+                           lambda x, shape: self.rope.video(x, shape, L))
         vid = self.proj_out.get("vid")(out.flatten(1))
         if not txt_out:
             return vid, None
         # Plain mean over all windows (the runtime sums across ranks), then proj_out.
-        tmean = runtime.reduce_text(tsum.to(runtime.dtype), layer).to(txt.dtype)
+        tmean = reduce_text(runtime, tsum.to(runtime.dtype), layer).to(txt.dtype)
         return vid, self.proj_out.get("txt")(tmean.flatten(1))
 
 

@@ -28,7 +28,7 @@ class TokenLinear(nn.Linear):
     replicated_rows = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.replicated_rows:
+        if self.replicated_rows or torch.compiler.is_compiling():  # compiled: plain calls (ditsp.models.seedvr2.compiled)
             return F.linear(x, self.weight, self.bias)
         return linear_rows(x, self.weight, self.bias)
 

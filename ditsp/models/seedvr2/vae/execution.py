@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ....distributed.comm import Comm
 from ....distributed.halo import exchange_rows, post_to_next, recv_from_prev
+from ..compiled import fused_norm
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -321,6 +322,12 @@ class Exec:
         beta = layer.bias.float().view(1, g, cg, 1, 1, 1)
         scale = rstd * gamma
         shift = beta - mean * scale
+        fused = fused_norm(layer)
+        if fused is not None:  # --compile: normalise and SiLU in one pass (ditsp.models.seedvr2.compiled)
+            with torch.no_grad():
+                y = fused(x.view(b, g, cg, t, h, w), scale.expand(b, g, cg, t, 1, 1).to(x.dtype),
+                          shift.expand(b, g, cg, t, 1, 1).to(x.dtype), silu)
+            return y.view(x.shape)
         with torch.no_grad():  # inference only; out= refuses tensors that track gradients
             buf, y = padded_like(x)
             torch.addcmul(shift.to(x.dtype), x.view(b, g, cg, t, h, w), scale.to(x.dtype),
