@@ -15,8 +15,11 @@ from ditsp.distributed.launcher import LocalCluster
 # Every collective in a test fails after this many seconds instead of hanging.
 RANK_TIMEOUT_S = 60.0
 # At most this many pool ranks stay alive between tests (each is a process holding torch, ~0.35 GiB);
-# asking for a size that would pass it closes the least recently used clusters first.
-IDLE_RANKS = int(os.environ.get("DITSP_TEST_IDLE_RANKS", "6"))
+# asking for a size that would pass it closes the least recently used clusters first. 14 keeps the
+# sizes most tests cycle through (2, 3, 4 and 5 ranks: ~5 GiB) alive together: with room for fewer,
+# a test that walks the degrees respawned every cluster it used, and spawning was most of the
+# multi-rank tests' time (a 4-degree matrix: 50-70 s respawning, 5-6 s reusing).
+IDLE_RANKS = int(os.environ.get("DITSP_TEST_IDLE_RANKS", "14"))
 # What in a test's own source means it starts ranks in other processes (besides the clusters fixture):
 # local clusters, a multi-rank CLI run or dispatch, the server's workers, a subprocess.
 _SPAWNS = ("LocalCluster(", '"--sp", "2"', '"--sp", "3"', '"--sp", "4"', "sp=2", "sp=3", "sp=4", "create_app(",
