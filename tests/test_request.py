@@ -38,7 +38,7 @@ def test_the_cli_offers_exactly_the_request_lists():
     p = upscale_cmd.add_parser(argparse.ArgumentParser().add_subparsers())
     assert _choices(p) == {"model": request.MODELS, "color_fix": request.COLOR_FIXES, "vae_mode": request.VAE_MODES,
                            "dtype": request.DTYPE_NAMES, "weights_dtype": request.WEIGHTS_DTYPES,
-                           "planner": request.PLANNERS}
+                           "planner": request.PLANNERS, "weights_read": request.WEIGHTS_READS}
 
 
 def test_the_server_offers_exactly_the_request_lists():
@@ -91,3 +91,23 @@ def test_server_job_options_check_like_the_cli(clip, tmp_path):
         assert c.req.output.endswith(fmt) and c.req.weights.dtype == "fp32" and not c.req.progress
     with pytest.raises(ValueError, match="needs an output ending in"):
         request.check(request.Options(input=clip, output=str(tmp_path / "r.png")))
+
+
+def test_weights_read_travels_from_the_flag_to_the_weights_spec():
+    """`--weights-read` (upscale, serve) lands on the WeightsSpec every rank loads from; the list is the loader's."""
+    import argparse
+
+    from ditsp.commands.serve import add_parser as serve_parser
+    from ditsp.commands.upscale import add_parser as upscale_parser
+    from ditsp.models.seedvr2.weights import WeightsSpec
+    from ditsp.serve.app import Settings
+    from ditsp.weights.shared import READS
+
+    assert request.WEIGHTS_READS == READS
+    for make in (upscale_parser, serve_parser):
+        action = {a.dest: a for a in make(argparse.ArgumentParser().add_subparsers())._actions}["weights_read"]
+        assert tuple(action.choices) == READS and action.default is None
+    assert WeightsSpec(read="one-reader").read == "one-reader"
+    with pytest.raises(ValueError, match="one-reader"):
+        WeightsSpec(read="every-other-rank")
+    assert Settings(data_dir="d", weights_read="one-reader").weights.read == "one-reader"

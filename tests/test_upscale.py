@@ -152,3 +152,14 @@ def test_height_sharded_vae_hands_slabs_to_the_dit(clusters, clip, tmp_path, sp)
         direct["collectives"]["output_gather"]["calls"] < gathered["collectives"]["output_gather"]["calls"])
     assert direct["collectives"]["decode_to_writer"]["calls"] == 1
     assert any("slabs handed" in m for m in direct["vae_modes"])
+
+
+def test_one_reader_loads_the_same_weights_as_every_rank(clusters, clip, tmp_path):
+    """`--weights-read one-reader` at SP 2: rank 0 reads the checkpoints and sends them; the same frames."""
+    from pathlib import Path
+
+    tiny = Path(__file__).resolve().parents[1] / "weights" / "tiny"
+    spec = {read: WeightsSpec("tiny", dit=str(tiny / "dit.safetensors"), vae=str(tiny / "vae.safetensors"), read=read)
+            for read in ("every-rank", "one-reader")}
+    out = {read: run_on(clusters, 2, request(clip, tmp_path / f"{read}.mp4", weights=s)) for read, s in spec.items()}
+    assert out["every-rank"]["sha256"] == out["one-reader"]["sha256"]

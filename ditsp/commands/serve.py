@@ -15,6 +15,7 @@ import sys
 
 from ..dtypes import NAMES as DTYPE_NAMES
 from ..models.seedvr2.presets import MODELS
+from ..weights.shared import READS as WEIGHTS_READS
 from ..fixed_shape import SERVE_DETERMINISTIC
 from .common import add_compile_arg, add_deterministic_arg
 
@@ -28,6 +29,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--vae", metavar="CKPT", help="VAE checkpoint")
     p.add_argument("--text-embedding", metavar="FILE", help="text embedding, e.g. pos_emb.pt")
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="default: bf16 for seedvr2-*, fp32 otherwise")
+    p.add_argument("--weights-read", default=None, choices=WEIGHTS_READS,
+                   help="how the ranks read the checkpoints: every-rank (default) or one-reader (see `ditsp upscale`)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8189, help="port (0: any free port; the URL is printed)")
     p.add_argument("--token-file", metavar="F", help="file holding the bearer token every request must carry")
@@ -99,7 +102,7 @@ def settings_from(args):
                     text_embedding=args.text_embedding, dtype=args.dtype, token=token,
                     allow_input=list(args.allow_input), max_upload_mb=args.max_upload_mb, threads=args.threads,
                     timeout_s=args.timeout, job_timeout_s=args.job_timeout, respawn=not args.no_respawn,
-                    deterministic=args.deterministic, compile=args.compile,
+                    deterministic=args.deterministic, compile=args.compile, weights_read=args.weights_read,
                     retention_hours=args.retention_hours)
 
 

@@ -53,6 +53,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--weights-dtype", default="stored", choices=request.WEIGHTS_DTYPES,
                    help="how the rank keeps float weights: as stored (cast to --dtype; FP8/GGUF files stay "
                         "quantized) or quantized to FP8 at load; dequantized per layer for the arithmetic")
+    p.add_argument("--weights-read", default=None, choices=request.WEIGHTS_READS,
+                   help="how the SP ranks read the checkpoints: each from its own memory map (every-rank, the "
+                        "default: measured faster on one host) or one rank sending the others each tensor as "
+                        "stored (one-reader: the file is read once, e.g. from a slow network mount)")
     p.add_argument("--planner", default=None, choices=request.PLANNERS,
                    help="window planner of the DiT (default: the SP path is chosen by the cost model)")
     p.add_argument("--max-memory", type=float, metavar="GiB",

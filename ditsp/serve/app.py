@@ -62,6 +62,7 @@ class Settings:
     respawn: bool = True
     deterministic: bool = SERVE_DETERMINISTIC  # fixed-shape kernel calls: a re-run job (any SP degree) writes the same frames
     compile: bool = False  # torch.compile'd models, kept compiled in each worker's model cache across jobs
+    weights_read: str | None = None  # how the ranks read the checkpoints (ditsp/weights/shared.py; None: its default)
     retention_hours: float | None = None  # results of finished jobs deleted after this long (None: kept)
 
     @property
@@ -69,7 +70,7 @@ class Settings:
         from ..models.seedvr2.weights import WeightsSpec
 
         return WeightsSpec(self.model, self.dit, self.vae, self.text_embedding,
-                           self.dtype or job_request.default_dtype(self.model))
+                           self.dtype or job_request.default_dtype(self.model), read=self.weights_read)
 
 
 def _bad(status: int, msg: str) -> HTTPException:

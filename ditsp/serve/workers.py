@@ -146,7 +146,9 @@ def share_weights(spec, comm: Comm) -> dict:
     if not any(flags):
         if have:
             return {"source": "cache", "copy_s": 0.0, "bytes": 0}
-        weights.load(spec)
+        # From storage: together when no rank holds them (spec.read may name one reader for the group),
+        # else alone (the holders have returned and take no part in a collective).
+        weights.load(spec, comm=comm if not any(h for h, _ in pairs) else None)
         return {"source": "storage", "copy_s": time.perf_counter() - t0, "bytes": 0}
     src = flags.index(True)
     if comm.rank == src:

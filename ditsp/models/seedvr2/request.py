@@ -22,6 +22,7 @@ from ...dtypes import NAMES as DTYPE_NAMES
 from ...fixed_shape import DEFAULT_DETERMINISTIC
 from ...io.formats import WRITE_IMAGE_EXTS, WRITE_VIDEO_EXTS, output_exts
 from ...weights.fp8 import WEIGHTS_DTYPES
+from ...weights.shared import READS as WEIGHTS_READS
 from ...windows.planners import PLANNERS as _PLANNER_TABLE
 from .pipeline.color_fix import METHODS as COLOR_FIXES
 from .vae.modes import AUTO
@@ -34,7 +35,7 @@ from .budget import GiB, available_bytes, estimate, suggestions
 from .weight_memory import dit_weights
 
 __all__ = ["COLOR_FIXES", "DTYPE_NAMES", "HTTP_OPTIONS", "MODELS", "OUTPUT_FORMATS", "PLANNERS", "VAE_MODES",
-           "WEIGHTS_DTYPES", "Checked", "Options", "UpscaleRequest", "check", "check_memory", "from_args",
+           "WEIGHTS_DTYPES", "WEIGHTS_READS", "Checked", "Options", "UpscaleRequest", "check", "check_memory", "from_args",
            "from_http", "parse_http_options"]
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ class Options:
     text_embedding: str | None = None
     dtype: str | None = None  # None: default_dtype(model)
     weights_dtype: str | None = "stored"
+    weights_read: str | None = None  # None: ditsp/weights/shared.py's default
     resolution: str | None = None
     scale: float | None = None
     size: str | None = None
@@ -269,7 +271,7 @@ def check(o: Options) -> Checked:
         raise ValueError(f"--overlap must be >= 0, got {o.overlap}")
     dtype = o.dtype or default_dtype(o.model)
     weights_dtype = None if o.weights_dtype in (None, "stored") else o.weights_dtype
-    weights = _weights(o.model, o.dit, o.vae, o.text_embedding, dtype, weights_dtype=weights_dtype)
+    weights = _weights(o.model, o.dit, o.vae, o.text_embedding, dtype, weights_dtype=weights_dtype, read=o.weights_read)
     req = UpscaleRequest(
         input=o.input, output=o.output, weights=weights, area=area, size=size, seed=o.seed,
         color_fix=o.color_fix, window_frames=o.window_frames, overlap=o.overlap, vae_mode=o.vae_mode,

@@ -28,6 +28,7 @@ from ...weights import error_line
 from .nadit.checkpoint import CheckpointError
 from .vae import CheckpointError as VAECheckpointError
 from ...weights.fp8 import canonical
+from ...weights.shared import check_read
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,11 @@ class WeightsSpec:
     dtype: str = "fp32"
     seed: int = 0
     weights_dtype: str | None = None  # "fp8"/"fp8_e5m2": quantize float weights at load (ditsp/weights)
+    read: str | None = None  # how an SP group reads the files (ditsp/weights/shared.py READS; None: its default)
 
     def __post_init__(self):
         canonical(self.weights_dtype)  # an unknown name raises here, before any rank loads
+        check_read(self.read)
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(sorted(MODELS))}")
         if self.model not in DIT_PRESETS:
@@ -73,7 +76,7 @@ def load(spec: WeightsSpec, device: torch.device | str = "cpu", comm=None, read:
     key = _key(spec, device)
     if comm is not None and comm.world_size > 1 and not all(comm.all_gather_object(resident.peek(key) is None)):
         comm = None
-    return resident.get(key, lambda: _build(spec, device, comm, read))
+    return resident.get(key, lambda: _build(spec, device, comm, read or spec.read))
 
 
 def _build(spec: WeightsSpec, device, comm=None, read: str | None = None) -> SeedVR2:
