@@ -126,9 +126,9 @@ def test_every_writable_container_round_trips(clip, pcm_clip, tmp_path, ext):
 
 
 def test_writable_video_list_is_the_one_in_formats():
-    from ditsp.io import formats, video
+    from ditsp.io import formats, write
 
-    assert tuple(formats.VIDEO_CONTAINERS) == formats.WRITE_VIDEO_EXTS == video.WRITE_VIDEO_EXTS
+    assert tuple(formats.VIDEO_CONTAINERS) == formats.WRITE_VIDEO_EXTS == write.WRITE_VIDEO_EXTS
     assert set(formats.WRITE_VIDEO_EXTS) <= set(formats.VIDEO_EXTS)  # what is written can be read back
     assert set(formats.WRITE_IMAGE_EXTS) <= set(formats.IMAGE_EXTS)
 
