@@ -103,6 +103,34 @@ def _status() -> dict[str, int]:
     return out
 
 
+class LoadPeaks:
+    """Memory of this process over a ``with`` block, from /proc (Linux): the anonymous memory's peak
+    above its start (sampled every millisecond), the RSS high-water mark above the start's RSS, and
+    the file pages mapped at the end above the start's. The high-water mark is reset on entry."""
+
+    def __enter__(self) -> "LoadPeaks":
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.base, self._anon, self._stop = _status(), 0, threading.Event()
+
+        def sample():
+            while not self._stop.is_set():
+                self._anon = max(self._anon, _status()["RssAnon"])
+                time.sleep(0.001)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        end = _status()
+        self.peak_anon = self._anon - self.base["RssAnon"]
+        self.peak_rss = end["VmHWM"] - self.base["VmRSS"]
+        self.file_pages = end["RssFile"] - self.base["RssFile"]
+
+
 def measure(path: str, model: str, layers: int, mode: str) -> dict:
     """Load ``path`` into a meta-built DiT (``mode`` "streaming", or "before": the previous loader's
     steps -- the whole file read and checked, every tensor cast to the meta model's fp32, loaded,
@@ -124,37 +152,22 @@ def measure(path: str, model: str, layers: int, mode: str) -> dict:
     estimate = of_checkpoint(path, "bf16")
     with torch.device("meta"):
         net = NaDiT(cfg)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = _status()
-    peak = {"anon": 0}
-    stop = threading.Event()
+    with LoadPeaks() as mem:
+        t0 = time.perf_counter()
+        if mode == "before":
+            from safetensors.torch import load_file
 
-    def sample():
-        while not stop.is_set():
-            peak["anon"] = max(peak["anon"], _status()["RssAnon"])
-            time.sleep(0.001)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    t0 = time.perf_counter()
-    if mode == "before":
-        from safetensors.torch import load_file
-
-        sd = load_file(path)
-        for v in sd.values():  # its finiteness check
-            bool(torch.isfinite(v).all())
-        cast = {k: v.to(torch.float32) for k, v in sd.items()}
-        net.load_state_dict({k.replace(".rope.rope.", ".rope."): v for k, v in cast.items()}, assign=True)
-        del sd, cast
-        net.to(torch.bfloat16)
-    else:
-        load_checkpoint(net, path, dtype=torch.bfloat16)
-    secs = time.perf_counter() - t0
-    stop.set()
-    th.join()
-    end = _status()
-    return {"seconds": secs, "peak_anon": peak["anon"] - base["RssAnon"], "peak_rss": end["VmHWM"] - base["VmRSS"],
+            sd = load_file(path)
+            for v in sd.values():  # its finiteness check
+                bool(torch.isfinite(v).all())
+            cast = {k: v.to(torch.float32) for k, v in sd.items()}
+            net.load_state_dict({k.replace(".rope.rope.", ".rope."): v for k, v in cast.items()}, assign=True)
+            del sd, cast
+            net.to(torch.bfloat16)
+        else:
+            load_checkpoint(net, path, dtype=torch.bfloat16)
+        secs = time.perf_counter() - t0
+    return {"seconds": secs, "peak_anon": mem.peak_anon, "peak_rss": mem.peak_rss,
             "kept": held_bytes(net), "buffer": max_buffer_bytes(net), "estimate": estimate.kept,
             "estimate_buffer": estimate.buffer, "file": os.path.getsize(path)}
 

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import tempfile
-import threading
 import time
 
 RESULTS = os.path.join("benchmarks", "results", "weights_sp.md")
@@ -47,7 +46,7 @@ def rank_load(ctx, path: str, model: str, layers: int, read: str) -> dict:
     from ..models.seedvr2.nadit.config import get_config
     from ..models.seedvr2.nadit.model import NaDiT
     from ..weights import held_bytes
-    from .weights import _status
+    from .weights import LoadPeaks
 
     exact_cpu_peaks()
     torch.set_num_threads(1)
@@ -55,29 +54,14 @@ def rank_load(ctx, path: str, model: str, layers: int, read: str) -> dict:
         net = NaDiT(get_config(model, layers))
     stats = CommStats()
     comm = Comm.of(ctx.group if ctx.world_size > 1 else None, stats)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = _status()
-    peak = {"anon": 0}
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak["anon"] = max(peak["anon"], _status()["RssAnon"])
-            time.sleep(0.001)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    comm.barrier()
-    t0 = time.perf_counter()
-    load_checkpoint(net, path, dtype=torch.bfloat16, comm=comm, read=read)
-    secs = time.perf_counter() - t0
-    stop.set()
-    th.join()
-    end = _status()
+    with LoadPeaks() as mem:
+        comm.barrier()
+        t0 = time.perf_counter()
+        load_checkpoint(net, path, dtype=torch.bfloat16, comm=comm, read=read)
+        secs = time.perf_counter() - t0
     wire = stats.kinds["weights"] if "weights" in stats.kinds else None
-    return {"rank": ctx.rank, "seconds": secs, "peak_anon": peak["anon"] - base["RssAnon"],
-            "peak_rss": end["VmHWM"] - base["VmRSS"], "file_pages": end["RssFile"] - base["RssFile"],
+    return {"rank": ctx.rank, "seconds": secs, "peak_anon": mem.peak_anon, "peak_rss": mem.peak_rss,
+            "file_pages": mem.file_pages,
             "kept": held_bytes(net), "wire_sent": wire.bytes_sent if wire else 0,
             "wire_recv": wire.bytes_recv if wire else 0, "calls": stats.calls}
 
