@@ -34,6 +34,8 @@ from .models.seedvr2.nadit.model import build_model
 from .models.seedvr2.nadit.model import random_inputs
 from .windows.ownership import RowOwnership
 from .models.seedvr2.parallelize import parallelize
+from .weights.offload import offload_blocks
+from .memory import exact_cpu_peaks
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,6 @@ class RunSpec:
 def _model_of(spec: ModelSpec, device: torch.device | str = "cpu"):
     """The model of ``spec``, identical on every rank (a checkpoint, or seeded weights)."""
 
-    from .weights.offload import offload_blocks
 
     model = build_model(spec.model, spec.layers, spec.checkpoint, seed=spec.seed, dtype=DTYPES[spec.dtype],
                         device=device, weights_dtype=spec.weights_dtype)
@@ -166,8 +167,6 @@ def rank_forward(ctx: RankContext, spec: RunSpec, return_output: bool = True) ->
     if spec.feed not in ("canonical", "rows"):
         raise ValueError(f"feed must be 'canonical' or 'rows', got {spec.feed!r}")
     if spec.exact_memory and ctx.device.type == "cpu":
-        from .memory import exact_cpu_peaks
-
         exact_cpu_peaks()
     engine = Engine.get(spec.model_spec, ctx.device)
     model, vid, txt = build_for(spec, ctx.device)

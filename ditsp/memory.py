@@ -8,6 +8,7 @@ import resource
 
 import torch
 import ctypes
+import ctypes.util
 
 
 class PeakMemory:
@@ -101,8 +102,6 @@ def exact_cpu_peaks(threshold: int = 128 * 1024) -> bool:
     so :class:`PeakMemory` on CPU reads the tensors' peak (what a device
     allocator's peak reports). Returns whether the setting took effect.
     """
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))

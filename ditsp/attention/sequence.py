@@ -30,6 +30,7 @@ import torch
 
 from ..distributed.comm import Comm
 from .common import even_splits, gather_rows, offsets
+from .common import gather_lens
 
 
 def _comm(group) -> Comm:
@@ -96,8 +97,6 @@ def gather(x: torch.Tensor, dim: int = 1, group=None, seq_lens: Sequence[int] | 
     if comm.world_size == 1:
         return x
     if seq_lens is None:
-        from .common import gather_lens
-
         seq_lens = gather_lens(comm, x.shape[dim])
     rows = [int(n) for n in seq_lens]
     if len(rows) != comm.world_size or rows[comm.rank] != x.shape[dim]:

@@ -1,4 +1,8 @@
-"""`ditsp bench ...`: side-by-side benchmarks on local ranks."""
+"""`ditsp bench ...`: side-by-side benchmarks on local ranks.
+
+Each benchmark imports what it measures inside its functions: every parser is built when ``ditsp``
+starts (see ``ditsp.commands``), and a benchmark's modules load only when it runs.
+"""
 
 from __future__ import annotations
 

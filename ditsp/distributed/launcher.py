@@ -53,6 +53,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from ..memory import check_local_ranks
+import ctypes
+from .heartbeat import install
 
 LOOPBACK = "127.0.0.1"
 _START_S = 60.0  # start-up deadline floor (spawning and importing torch take seconds)
@@ -167,8 +169,6 @@ def die_with_parent(parent_pid: int) -> None:
     """
     if sys.platform.startswith("linux") and os.environ.get("DITSP_NO_PDEATHSIG") != "1":
         try:
-            import ctypes
-
             pr_set_pdeathsig = 1
             ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
         except (OSError, AttributeError):
@@ -218,8 +218,6 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, ta
     results = _Answers(rank, answers)
     fh = _stack_file(stack_path) if stack_path else None
     if beats is not None:
-        from .heartbeat import install
-
         install(beats, rank)
     if started is not None:
         started[rank] = _PHASE_STORE  # imports done, this function runs: next, the rendezvous store

@@ -22,6 +22,7 @@ import torch
 from .formats import WRITE_VIDEO_EXTS, container
 from .media import _fail, _to_fraction
 from .write import atomic_path, video_encoder
+import argparse
 
 __all__ = ["make_test_clip", "scene_frame", "scene_frames"]
 
@@ -147,8 +148,6 @@ def _write_tone(out, stream, start: int, stop: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m ditsp.io.testclip OUT.mp4 [--size 64x48] [--frames 17] [--fps 24] [--no-audio]``."""
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m ditsp.io.testclip", description="write the synthetic test clip")
     ap.add_argument("out")
     ap.add_argument("--size", default="64x48", help="WIDTHxHEIGHT, even sides >= 16")

@@ -36,6 +36,12 @@ from ..errors import one_line
 from ..fixed_shape import SERVE_DETERMINISTIC
 from ..models.seedvr2 import request as job_request
 from .store import STATES, JobStore, new_id
+from ..models.seedvr2.weights import WeightsSpec
+from ..io.formats import IMAGE_EXTS, VIDEO_EXTS
+from .controller import Controller
+from .metrics import Metrics
+from ..io.media import MediaError
+from ..io.probe import probe
 
 ID_RE = re.compile(r"^[0-9a-f]{32}$")
 MiB = 2**20
@@ -67,8 +73,6 @@ class Settings:
 
     @property
     def weights(self):
-        from ..models.seedvr2.weights import WeightsSpec
-
         return WeightsSpec(self.model, self.dit, self.vae, self.text_embedding,
                            self.dtype or job_request.default_dtype(self.model), read=self.weights_read)
 
@@ -99,10 +103,6 @@ def _inside(path: str, folders: list[str]) -> bool:
 
 
 def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
-    from ..io.formats import IMAGE_EXTS, VIDEO_EXTS
-    from .controller import Controller
-    from .metrics import Metrics
-
     store = JobStore(settings.data_dir)
     spec = settings.weights
     controller = Controller(store, spec, settings.sp, timeout_s=settings.timeout_s, threads=settings.threads,
@@ -229,9 +229,6 @@ def create_app(settings: Settings, start_workers: bool = True) -> FastAPI:
 
     @app.post("/v1/jobs", status_code=201)
     def submit(file: UploadFile | None = File(None), path: str | None = Form(None), options: str = Form("{}")):
-        from ..io.media import MediaError
-        from ..io.probe import probe
-
         if (file is None) == (path is None):
             raise _bad(400, "give exactly one of: an uploaded 'file', or a 'path' under an allowed input folder")
         opts = _check_options(options)

@@ -32,6 +32,9 @@ from dataclasses import asdict, dataclass, field
 from ..distributed.launcher import loopback_store
 from .store import JobStore
 from .workers import Worker, call
+from .workers import request_grids
+from ..models.seedvr2.request import UpscaleRequest
+from ..models.seedvr2.restore import summarize
 
 log = logging.getLogger("ditsp.serve")
 
@@ -271,8 +274,6 @@ class Controller:
         return False
 
     def _remember_grids(self, req) -> None:
-        from .workers import request_grids
-
         try:
             grids = request_grids(req)
         except Exception:  # noqa: BLE001 - only a warm-up hint
@@ -288,8 +289,6 @@ class Controller:
     # -- jobs -----------------------------------------------------------------
 
     def _request(self, job: dict):
-        from ..models.seedvr2.request import UpscaleRequest
-
         r = dict(job["request"])
         for k in ("area", "size"):
             if r.get(k) is not None:
@@ -297,8 +296,6 @@ class Controller:
         return UpscaleRequest(**r, weights=self.spec, overwrite=True, progress=True, sample_frames=0)
 
     def _run(self, job: dict) -> None:
-        from ..models.seedvr2.restore import summarize
-
         job_id = self.current_job = job["id"]
         req = self._request(job)
         self._planner = req.planner

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..models.seedvr2.restore import STAGES
+import time
 
 _LATENCY_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, float("inf"))
 _REBUILD_PARTS = ("form", "weights", "replan", "total")
@@ -36,8 +37,6 @@ class Metrics:
             self.rebuild.labels(p)
 
     def job_done(self, job: dict, summary: dict | None, run_s: float, state: str) -> None:
-        import time
-
         self.jobs.labels(state).inc()
         self.latency.observe(max(0.0, time.time() - job["created"]))
         self.run_time.observe(run_s)

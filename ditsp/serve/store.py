@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from ..io.write import sweep_temps
 
 STATES = ("queued", "running", "done", "failed", "cancelled")
 FINAL = ("done", "failed", "cancelled")
@@ -129,7 +130,6 @@ class JobStore:
         try:
             for d in (self.uploads, self.results):
                 prepare_dir(d)
-            from ..io.write import sweep_temps
 
             sweep_temps(self.results)  # half-written results of a server that was killed
             # this server's name in the rows it claims: a restart re-queues only jobs of owners that are gone

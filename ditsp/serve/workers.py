@@ -44,6 +44,20 @@ import torch.multiprocessing as mp
 from ..distributed.comm import Comm
 from ..distributed.elastic import STORE_PREFIX, ElasticGroup  # noqa: F401 - STORE_PREFIX re-exported
 from ..distributed.launcher import _loopback_ifname, die_with_parent, error_line
+from ..weights import is_quantized
+from ..models.seedvr2.nadit.config import get_config
+from ..models.seedvr2.nadit.model import NaDiT
+from ..models.seedvr2.vae import VideoVAE
+from ..models.seedvr2.vae.config import PRESETS as VAE_PRESETS
+from ..models.seedvr2.weights import MODELS
+from ..io.probe import count_frames, probe
+from ..models.seedvr2.pipeline import frame_geometry, plan_windows
+from ..models.seedvr2.pipeline.padding import padded_length
+from ..config import ParallelConfig
+from ..models.seedvr2.parallelize import parallelize
+from ..distributed.heartbeat import install
+from ..models.seedvr2.restore import rank_upscale
+from ..models.seedvr2 import weights
 
 
 class WorkerDied(RuntimeError):
@@ -102,19 +116,11 @@ def _tensors(models) -> list[tuple[str, torch.Tensor]]:
 
 
 def _quantized(models) -> bool:
-    from ..weights import is_quantized
-
     return is_quantized(models.dit) or is_quantized(models.vae)
 
 
 def _skeleton(spec):
     """The DiT and VAE of ``spec`` with unallocated storage (no initialisation, no file read)."""
-    from ..models.seedvr2.nadit.config import get_config
-    from ..models.seedvr2.nadit.model import NaDiT
-    from ..models.seedvr2.vae import VideoVAE
-    from ..models.seedvr2.vae.config import PRESETS as VAE_PRESETS
-    from ..models.seedvr2.weights import MODELS
-
     with torch.device("meta"):
         dit = NaDiT(get_config(spec.model))
         vae = VideoVAE(VAE_PRESETS[MODELS[spec.model]])
@@ -132,8 +138,6 @@ def _set_tensor(root: torch.nn.Module, dotted: str, kind: str, t: torch.Tensor) 
 
 def share_weights(spec, comm: Comm) -> dict:
     """Give every rank of ``comm``'s group the weights of ``spec``; the ranks holding them send them."""
-    from ..models.seedvr2 import weights
-
     t0 = time.perf_counter()
     have = weights.cached(spec) is not None
     # The copy rebuilds a receiver from a float skeleton: quantized weights (FP8/GGUF kept as stored
@@ -185,10 +189,6 @@ def share_weights(spec, comm: Comm) -> dict:
 
 def request_grids(req) -> list[tuple[int, int, int]]:
     """The DiT grids a request's windows use (for warming the plan cache at a new degree)."""
-    from ..io.probe import count_frames, probe
-    from ..models.seedvr2.pipeline import frame_geometry, plan_windows
-    from ..models.seedvr2.pipeline.padding import padded_length
-
     info = probe(req.input)
     frames = info.frames if info.frames is not None else count_frames(req.input)
     geo = frame_geometry(info.width, info.height, area=req.area, size=req.size)
@@ -202,10 +202,6 @@ def request_grids(req) -> list[tuple[int, int, int]]:
 
 def replan(spec, grids, planner: str, comm: Comm) -> dict:
     """Build the SP runtimes of ``grids`` on ``comm``'s group (fills the plan cache)."""
-    from ..config import ParallelConfig
-    from ..models.seedvr2 import weights
-    from ..models.seedvr2.parallelize import parallelize
-
     t0 = time.perf_counter()
     models = weights.cached(spec)
     world = comm.world_size
@@ -220,8 +216,6 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
                  parent_pid: int, beats=None) -> None:
     die_with_parent(parent_pid)
     if beats is not None:
-        from ..distributed.heartbeat import install
-
         install(beats, 0)  # collectives and pipeline stages bump it: the server's stuck-worker check
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     ifname = _loopback_ifname()
@@ -253,8 +247,6 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
             elif name == "replan":
                 out = replan(payload["spec"], payload["grids"], payload["planner"], group.comm())
             elif name == "job":
-                from ..models.seedvr2.restore import rank_upscale
-
                 req = replace(payload["req"], sp=group.world)
                 progress[0], progress[1] = 0, 0
                 _in_job[0] = True
@@ -263,8 +255,6 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
                 finally:
                     _in_job[0] = False
             elif name == "load":
-                from ..models.seedvr2 import weights
-
                 t0 = time.perf_counter()
                 weights.load(payload["spec"])
                 out = {"load_s": time.perf_counter() - t0}

@@ -39,6 +39,7 @@ from ..attention.common import even_splits
 from ..windows.geometry import canonical_method
 from ..windows.schedule import plan_schedule
 from .halo_slab import plan_halo
+from ..windows.geometry import window_layout
 
 CANDIDATES = ("window/lpt", "window/locality", "halo", "ulysses")
 ENV_LINK = "DITSP_LINK"
@@ -180,8 +181,6 @@ def path_costs(cfg, grid: Sequence[int], world: int, link: Link | None = None, e
             rows = even_splits(n, p)
             heads = even_splits(cfg.heads, p)
             for m in methods:
-                from ..windows.geometry import window_layout
-
                 lay = window_layout(grid, m, cfg.num_windows)
                 att = _attn_flops(lay.token_counts, L, inner)
                 loads = np.array([rows[r] * tok + att * heads[r] / cfg.heads for r in range(p)])

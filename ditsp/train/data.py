@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+import av
 
 TRAIN_IMAGES = ("astronaut", "coffee", "rocket", "immunohistochemistry", "hubble_deep_field", "colorwheel",
                 "retina", "brick", "grass", "gravel", "camera", "coins", "moon", "clock", "horse")
@@ -79,8 +80,6 @@ def from_u8(frames: np.ndarray) -> torch.Tensor:
 
 def h264_roundtrip(frames: np.ndarray, crf: int) -> np.ndarray:
     """(T, H, W, 3) uint8 through a real H.264 encode (libx264, yuv420p, in memory) and decode."""
-    import av
-
     t, h, w, _ = frames.shape
     ph, pw = -h % 2, -w % 2  # yuv420p needs even sizes
     src = np.pad(frames, ((0, 0), (0, ph), (0, pw), (0, 0)), mode="edge")
@@ -102,8 +101,6 @@ def h264_roundtrip(frames: np.ndarray, crf: int) -> np.ndarray:
 
 def jpeg_roundtrip(frames: np.ndarray, qscale: int) -> np.ndarray:
     """(T, H, W, 3) uint8, each frame through a real JPEG encode (PyAV's mjpeg, yuvj420p) and decode."""
-    import av
-
     out = []
     for f in frames:
         enc = av.CodecContext.create("mjpeg", "w")

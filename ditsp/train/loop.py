@@ -37,6 +37,7 @@ from ..models.seedvr2.weights import MODELS, seeded_vae
 from ..models.seedvr2.vae.checkpoint import load_checkpoint as load_vae
 import math
 from dataclasses import replace
+from ..models.seedvr2.parallelize import parallelize
 
 
 @dataclass
@@ -147,8 +148,6 @@ class Trainer:
         if self.cfg.objective != "dit":
             return None
         if self._runtime is None:
-            from ..models.seedvr2.parallelize import parallelize
-
             grid = self.dit.grid_of(latent_shape)
             pc = ParallelConfig.window(self.comm.world_size, window_path=self.cfg.path,
                                        window_planner=self.cfg.planner if self.cfg.path == "window" else None,

@@ -19,12 +19,11 @@ import torch
 
 from . import fp8 as _fp8
 from .gguf_write import write_gguf
+from safetensors.torch import save_file
 
 
 def save_fp8(sd: Mapping[str, torch.Tensor], path: str | os.PathLike, fmt: str = "fp8_e4m3fn",
              keep: Callable[[str], bool] | None = None, scaled: bool = False) -> str:
-    from safetensors.torch import save_file
-
     fmt = _fp8.canonical(fmt)
     out: dict[str, torch.Tensor] = {}
     for k, v in sd.items():

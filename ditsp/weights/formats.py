@@ -27,6 +27,7 @@ import torch
 
 from . import ggml as _ggml
 from .stored import StoredTensor, fmt_of_dtype
+from safetensors import safe_open
 
 SCALE_SUFFIXES = (".scale_weight", ".weight_scale")  # FP8 per-tensor scale keys, -> "<module>.weight"
 MARKERS = ("scaled_fp8",)  # keys that describe a file, not a tensor of the model
@@ -94,15 +95,11 @@ def _pair_scales(entries: dict[str, StoredTensor]) -> tuple[dict[str, StoredTens
 def _read_safetensors(path: str, key: str) -> torch.Tensor:
     """One tensor, copied out of a map opened for it alone: the file's pages leave this process's
     memory with the map, so a load holds the weights once, not once more as mapped file pages."""
-    from safetensors import safe_open
-
     with safe_open(path, framework="pt", device="cpu") as f:
         return f.get_tensor(key).clone()
 
 
 def open_safetensors(path: str) -> Checkpoint:
-    from safetensors import safe_open
-
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             entries = {}

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from .quantized import quantized_weights
+from ..fixed_shape import current
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
 ALIGN = 16  # _scaled_mm's inner and output dimensions must be multiples of this on CUDA
@@ -55,8 +57,6 @@ def scaled_linear(x: torch.Tensor, raw: torch.Tensor, shape, scale: float, bias:
 
 def _layers(model: nn.Module):
     """(name, module, parametrization, stored bytes) of every linear layer with an e4m3fn 2-D weight."""
-    from .quantized import quantized_weights
-
     for name, mod, p, raw in quantized_weights(model):
         if (isinstance(mod, nn.Linear) and name.endswith(".weight") and p.spec.fmt == "fp8_e4m3fn"
                 and len(p.spec.shape) == 2):
@@ -67,8 +67,6 @@ def use_native_fp8(model: nn.Module, force: bool = False) -> list[str]:
     """Route ``model``'s e4m3fn linear layers through :func:`scaled_linear` where the input's device
     supports it (``force``: on any device, for tests); returns the layers' names. Inputs under the
     fixed-shape kernel policy, or of a shape the kernel does not take, use the layer's own forward."""
-    from ..fixed_shape import current
-
     names = []
     for name, mod, p, raw in _layers(model):
         n, k = p.spec.shape

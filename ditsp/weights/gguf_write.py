@@ -18,6 +18,7 @@ import torch
 
 from .formats import GGUF_ORIG_SHAPE
 from .ggml import block, qtype
+from .ggml import block
 
 QK_K = 256
 
@@ -99,8 +100,6 @@ class Lazy:
 
 def _layout(name: str, shape: tuple, fmt: str, prefix: str):
     """(stored numpy shape, orig_shape metadata or None) of one tensor."""
-    from .ggml import block
-
     per = block(fmt)[0] if fmt not in ("F32", "F16", "BF16") else 1
     numel = int(np.prod(shape)) if shape else 1
     if len(shape) > 4 or (shape and shape[-1] % per):

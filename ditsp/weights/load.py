@@ -21,6 +21,7 @@ from . import fp8 as _fp8
 from .quantized import QuantSpec, attach, dequantize
 from .stored import StoredTensor
 from .quantized import quantized_weights
+from torch.nn.utils import parametrize
 
 
 @dataclass
@@ -135,8 +136,6 @@ def assign(model: nn.Module, kept: Mapping[str, Kept], compute_dtype: torch.dtyp
         elif leaf in mod._buffers:
             mod._buffers[leaf] = v.tensor
         else:
-            from torch.nn.utils import parametrize
-
             if parametrize.is_parametrized(mod, leaf):  # a float tensor where a quantized one was
                 parametrize.remove_parametrizations(mod, leaf, leave_parametrized=False)
                 mod._parameters[leaf] = nn.Parameter(v.tensor, requires_grad=False)

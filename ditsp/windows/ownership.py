@@ -23,6 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from .plan import LRUCache, Transition
+import hashlib
 
 Grid = tuple[int, int, int]
 _CACHE = LRUCache(32)
@@ -46,8 +47,6 @@ class RowOwnership:
     def key(self) -> tuple:
         """A cache key that changes with the ownership's content."""
         if "key" not in self._cache:
-            import hashlib
-
             h = hashlib.sha1(self.owner.tobytes() + self.position.tobytes()).hexdigest()
             self._cache["key"] = (self.grid, self.world_size, h)
         return self._cache["key"]

@@ -29,6 +29,8 @@ from ...config import ParallelConfig
 from .hooks import ParallelizeError
 from .cfg import cfg_forward
 from .parallelize import parallelize
+from safetensors.torch import load_file
+from ...io.write import write_image, write_video
 
 PIPELINES = ("WanPipeline",)  # the pipeline classes this job runs
 
@@ -71,8 +73,6 @@ def pipeline_index(folder: str | Path) -> dict:
 
 
 def load_embeds(path: str | Path, guidance: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    from safetensors.torch import load_file
-
     d = load_file(str(path))
     if "prompt_embeds" not in d:
         raise ParallelizeError(f"{path}: no 'prompt_embeds' tensor (found {sorted(d)})")
@@ -170,8 +170,6 @@ def rank_generate(ctx, req: GenerateRequest) -> dict:
     decode_s = time.perf_counter() - t0
     written = None
     if req.output:
-        from ...io.write import write_image, write_video
-
         if frames.shape[0] == 1 and Path(req.output).suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"):
             written = str(write_image(req.output, frames[0], overwrite=req.overwrite))
         else:

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from ...attention.sequence import gather, shard, splits
+from ...attention.sparse import SparseUlysses
 
 
 class ParallelizeError(ValueError):
@@ -90,8 +91,6 @@ class Runtime:
         """Start a forward: reset the token split; with sparse attention, pick the strategy of this grid."""
         self.fired, self.lens = {}, None
         if self.sparse is not None:
-            from ...attention.sparse import SparseUlysses
-
             grid = tuple(plan.grid(model, args, kwargs))
             if grid not in self._sparse_by_grid:
                 if len(self._sparse_by_grid) >= 8:

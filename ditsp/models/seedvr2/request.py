@@ -32,6 +32,7 @@ from .presets import default_dtype
 from .sizing import parse_resolution
 from ...weights import FormatError
 from .budget import GiB, available_bytes, estimate, suggestions
+from ...memory import check_local_ranks
 from .weight_memory import dit_weights
 
 __all__ = ["COLOR_FIXES", "DTYPE_NAMES", "HTTP_OPTIONS", "MODELS", "OUTPUT_FORMATS", "PLANNERS", "VAE_MODES",
@@ -204,8 +205,6 @@ def check(o: Options) -> Checked:
     if o.sp < 1:
         raise ValueError(f"--sp must be >= 1, got {o.sp}")
     if "WORLD_SIZE" not in os.environ:  # local ranks, spawned here: bounded even with --force
-        from ...memory import check_local_ranks
-
         check_local_ranks(o.sp)
     if o.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {o.threads}")
@@ -218,7 +217,7 @@ def check(o: Options) -> Checked:
     if not 0 <= o.crf <= 51:
         raise ValueError(f"--crf must be in 0..51, got {o.crf}")
     if o.compile:
-        from .compiled import check_policy
+        from .compiled import check_policy  # local: .compiled loads torch's compiler stack, only for --compile
 
         check_policy(o.deterministic)
     _choice("--color-fix", o.color_fix, COLOR_FIXES)

@@ -64,6 +64,7 @@ from ...io.probe import open_media
 from ...io.write import VideoWriter, write_image
 from .vae.sharded import ParallelVAE
 from ...io.probe import frame_times
+from ...io.probe import count_frames
 GiB = 2**30
 DEFAULT_FPS = 24
 
@@ -164,8 +165,6 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
     info, chunks = open_media(req.input)
     frames_total = info.frames
     if frames_total is None:
-        from ...io.probe import count_frames
-
         frames_total = count_frames(req.input)
     geo = _geometry(req, info.width, info.height)
     window = req.window_frames or padded_length(frames_total)

@@ -29,6 +29,7 @@ from .nadit.checkpoint import CheckpointError
 from .vae import CheckpointError as VAECheckpointError
 from ...weights.fp8 import canonical
 from ...weights.shared import check_read
+from .nadit.checkpoint import load_text_embedding
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,6 @@ def _build(spec: WeightsSpec, device, comm=None, read: str | None = None) -> See
     vae = vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
     cfg = dit.cfg
     if spec.text_embedding:
-        from .nadit.checkpoint import load_text_embedding
-
         text = load_text_embedding(spec.text_embedding, cfg.txt_in_dim)
     else:
         text = torch.randn(cfg.txt_len, cfg.txt_in_dim, generator=torch.Generator().manual_seed(spec.seed + 11))

@@ -31,6 +31,7 @@ from torch import nn
 from ....weights import StoredTensor, assign, error_line, materialize, targets_of
 from ....weights.shared import open_group, settle
 from .rope import RopeBuffer
+from safetensors.torch import load_file
 
 REF_SUFFIX, PORT_SUFFIX = ".rope.rope.freqs", ".rope.freqs"
 _BLOCK = re.compile(r"^blocks\.(\d+)\.")
@@ -62,8 +63,6 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: no such checkpoint file")
     try:
         if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
             return load_file(path, device="cpu")
         sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except CheckpointError:

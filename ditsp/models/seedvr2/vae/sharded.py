@@ -43,6 +43,7 @@ from .model import Posterior, VideoVAE, check_video, decoder_pieces, encoder_pie
 from .modes import AUTO, EXACT_MODES, MODES, SLAB_MODES  # noqa: F401 - EXACT_MODES re-exported
 from .memory import choose_mode
 from .tiled import tiled_decode
+from .tiled import tiled_encode
 
 
 @dataclass
@@ -140,7 +141,6 @@ class ParallelVAE:
             if not keep_sharded:
                 m = _gather(comm, m, 3, [q_ - p_ for p_, q_ in layout.rows], "output_gather")
         else:  # tiled
-            from .tiled import tiled_encode
 
             m = tiled_encode(self.vae, x, self.tile, self.overlap, self.chunk)
         post = Posterior.from_moments(m, self.cfg.logvar_range)

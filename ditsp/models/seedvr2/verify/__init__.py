@@ -25,6 +25,9 @@ from .nadit import check_nadit, nadit_config
 from .pipeline import check_pipeline
 from .vae import check_vae
 from .vectors import REL_TOL, ClusterFactory, VectorSetError, detect_kind, format_verify, read_config, rel_err
+from ..nadit import NaDiT
+from ..vae.config import VaeConfig
+from ..vae.model import VideoVAE
 
 __all__ = ["CHECKERS", "REL_TOL", "VectorSetError", "detect_kind", "estimate_bytes", "format_verify", "nadit_config",
            "read_config", "rel_err", "verify_vectors"]
@@ -39,13 +42,8 @@ def estimate_bytes(directory: str | os.PathLike) -> int:
     kind = detect_kind(read_config(directory))
     with torch.device("meta"):
         if kind == "nadit":
-            from ..nadit import NaDiT
-
             model = NaDiT(nadit_config(read_config(directory), Path(directory).name))
         elif kind == "vae":
-            from ..vae.config import VaeConfig
-            from ..vae.model import VideoVAE
-
             try:
                 model = VideoVAE(VaeConfig.from_json(Path(directory) / "config.json"))
             except (KeyError, TypeError, ValueError) as e:

@@ -14,6 +14,7 @@ from ..nadit import NaDiT, load_checkpoint
 from ....config import ParallelConfig
 from ..parallelize import parallelize
 from ....distributed.launcher import LocalCluster
+from safetensors.torch import load_file
 
 
 def nadit_config(config: dict, name: str = "vectors"):
@@ -52,8 +53,6 @@ def nadit_config(config: dict, name: str = "vectors"):
 
 
 def _load_nadit(directory: str):
-    from safetensors.torch import load_file
-
 
     cfg = nadit_config(read_config(directory), Path(directory).name)
     model = NaDiT(cfg).eval()

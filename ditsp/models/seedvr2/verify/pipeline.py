@@ -14,6 +14,7 @@ from ..pipeline import color_fix as cf
 from ..pipeline import condition as cond
 from ..pipeline.padding import reference_pad
 from ..pipeline.transform import area_resize, to_uint8, to_uint8_values, transform_frames
+from safetensors.torch import load_file
 
 
 def check_pipeline(directory: str | os.PathLike, degrees: Sequence[int] = (1,),
@@ -23,8 +24,6 @@ def check_pipeline(directory: str | os.PathLike, degrees: Sequence[int] = (1,),
     1e-6 (absolute), everything else exact. Nothing here depends on the SP degree: one run is reported,
     and its ``rel_err`` is the worst error as a fraction of that check's tolerance (an exact check
     that differs counts as infinity), so the bar is 1."""
-    from safetensors.torch import load_file
-
 
     directory = os.fspath(directory)
     config = read_config(directory)

@@ -15,12 +15,12 @@ from ..vae.fixtures import seeded_vae
 from ....distributed.comm import Comm
 from ..vae.sharded import ParallelVAE
 from ....distributed.launcher import LocalCluster
+from safetensors.torch import load_file
+from ..vae.model import VideoVAE
 
 
 def _load_vae(directory: str):
     """(model, io) of a VAE vector set; weights rebuilt by the seeded recipe when the set ships none."""
-    from safetensors.torch import load_file
-
 
     cfg_json = read_config(directory)
     try:
@@ -29,8 +29,6 @@ def _load_vae(directory: str):
         raise VectorSetError(f"{directory}: config.json does not describe a VAE ({type(e).__name__}: {e})") from None
     weights = Path(directory) / "weights.safetensors"
     if weights.is_file():
-        from ..vae.model import VideoVAE
-
         vae = VideoVAE(cfg).eval()
         load_checkpoint(vae, weights)
     else:
