@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..argtypes import positive_int, positive_int_list
+from ..dtypes import DTYPES
 
 
 def _cpu_capability() -> str:
@@ -58,7 +59,7 @@ def rank_speed(ctx, case: str, args: dict) -> dict:
 
     torch.set_num_threads(1)
     group = ctx.group if ctx.world_size > 1 else None
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args["dtype"]]
+    dtype = DTYPES[args["dtype"]]
     if case == "dit":
         from ..models.seedvr2.nadit.model import build_model, random_inputs
         from ..models.seedvr2.parallelize import parallelize
@@ -66,9 +67,8 @@ def rank_speed(ctx, case: str, args: dict) -> dict:
         model = build_model("seedvr2-3b", args["layers"], dtype=dtype)
         grid = model.grid_of(args["latent"])
         vid, txt = random_inputs(model.cfg, grid, seed=1)
-        pc = ParallelConfig.window(ctx.world_size, deterministic=False) if ctx.world_size > 1 else None
-        rt = parallelize(model.cfg, pc, grid, group, "lpt", "window")
-        rt.kernel_shapes = FAST
+        pc = ParallelConfig.window(ctx.world_size, window_planner="lpt", window_path="window", deterministic=False)
+        rt = parallelize(model.cfg, pc, grid, group)
 
         def call():
             with torch.no_grad():
