@@ -106,3 +106,37 @@ def test_a_request_without_compile_runs_a_compiled_model_eager():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
     with use(FAST), compiled.stance(False):
         assert compiled.fused_norm(torch.nn.GroupNorm(2, 4)) is None
+
+
+_ONE_COMPILE = """
+import torch, torch.nn.functional as F
+from ditsp.models.seedvr2.compiled import kernel_set_cache
+kernel_set_cache()
+torch.manual_seed(0)
+x, w = torch.randn(300, 256), torch.randn(256)
+def f(x, w):
+    return F.silu(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w) * 2 + 1
+print((torch.compile(f, dynamic=True)(x, w) - f(x, w)).abs().max().item())
+"""
+
+
+def test_each_kernel_set_compiles_into_its_own_cache(tmp_path):
+    """Inductor's cache key misses the ATen kernel set: a second kernel set on the same machine must not
+    reuse the first one's compiled kernels (on an AVX-512 CPU an AVX2 run computed this 14 off)."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    other = "avx2" if torch.backends.cpu.get_cpu_capability() != "AVX2" else "default"
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["TMPDIR"] = str(tmp_path)  # the default cache folder lives under it
+    for kernels in (None, other):
+        run_env = dict(env, **({"ATEN_CPU_CAPABILITY": kernels} if kernels else {}))
+        out = subprocess.run([sys.executable, "-c", _ONE_COMPILE], env=run_env, capture_output=True, text=True,
+                             timeout=240)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert float(out.stdout.strip().splitlines()[-1]) < 1e-4, (kernels, out.stdout)
+    assert len([d for d in os.listdir(tmp_path / f"torchinductor_{os.environ.get('USER', 'root')}")
+                if d.startswith("ditsp-")]) == 2

@@ -31,6 +31,7 @@ backend; not run in this project, and the report says so.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import warnings
 from contextvars import ContextVar
@@ -115,11 +116,29 @@ def _guard(state: CompileState, compiled, eager, dynamic_dims):
     return call
 
 
+def kernel_set_cache() -> str:
+    """Point inductor's on-disk cache at a folder of this torch build and CPU kernel set (unless the user
+    named one with ``TORCHINDUCTOR_CACHE_DIR``) and return it.
+
+    Inductor's cache key does not cover the kernel set ATen dispatches to: measured on an AVX-512 CPU, a
+    run under ``ATEN_CPU_CAPABILITY=avx2`` reused the kernels an AVX-512 run had cached and computed a
+    normalise+SiLU wrong by 14 (NaN in the DiT); with a cache per kernel set both are right.
+    """
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # local: loads the compiler stack
+
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if named is None or named == default_cache_dir():  # unset, or inductor's own default (it writes it back)
+        kernels = torch.backends.cpu.get_cpu_capability()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), f"ditsp-{torch.__version__}-{kernels}")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def compile_dit(model: nn.Module) -> CompileState:
     """Compile every block of a NaDiT in place (idempotent); returns its state."""
     state = getattr(model, _ATTR, None)
     if state is not None:
         return state
+    kernel_set_cache()
     state = CompileState("DiT blocks", next(model.parameters()).device)
     # the 3B's text RoPE cos/sin come from an lru_cache'd helper; tracing it is correct (the values depend on
     # the arguments only), so dynamo's generic warning about cached functions is noise here
@@ -142,6 +161,7 @@ def compile_vae(vae: nn.Module) -> CompileState:
     if state is not None:
         return state
     state = CompileState("VAE GroupNorm+SiLU", next(vae.parameters()).device)
+    kernel_set_cache()
     # x (b, g, cg, t, h, w); scale and shift (b, g, cg, t, 1, 1)
     fused = _guard(state, torch.compile(_norm_silu), _norm_silu, ((3, 4, 5), (3,), (3,)))
     for m in vae.modules():
