@@ -19,8 +19,9 @@ import os
 import tempfile
 import time
 
+from .weights import GiB
+
 RESULTS = os.path.join("benchmarks", "results", "weights_sp.md")
-GiB = 2**30
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -68,27 +68,27 @@ def _key(spec: WeightsSpec, device) -> tuple:
     return ("seedvr2", spec, str(device))
 
 
-def load(spec: WeightsSpec, device: torch.device | str = "cpu", comm=None, read: str | None = None) -> SeedVR2:
+def load(spec: WeightsSpec, device: torch.device | str = "cpu", comm=None) -> SeedVR2:
     """The pieces of ``spec`` for this process (built on first use; the process's one model cache).
 
     ``comm``: the SP group's ranks, loading the checkpoints together when none of them holds the
-    pieces yet (``read``: ``ditsp/weights/shared.py``; a bad file is the same error on every rank);
-    where some already hold them the others load alone."""
+    pieces yet (the way ``spec.read`` names, ``ditsp/weights/shared.py``; a bad file is the same error
+    on every rank); where some already hold them the others load alone."""
     key = _key(spec, device)
     if comm is not None and comm.world_size > 1 and not all(comm.all_gather_object(resident.peek(key) is None)):
         comm = None
-    return resident.get(key, lambda: _build(spec, device, comm, read or spec.read))
+    return resident.get(key, lambda: _build(spec, device, comm))
 
 
-def _build(spec: WeightsSpec, device, comm=None, read: str | None = None) -> SeedVR2:
+def _build(spec: WeightsSpec, device, comm=None) -> SeedVR2:
     dtype = DTYPES[spec.dtype]
     dit = build_model(spec.model, checkpoint=spec.dit, seed=spec.seed, dtype=dtype, device=device,
-                      weights_dtype=spec.weights_dtype, comm=comm, read=read)
+                      weights_dtype=spec.weights_dtype, comm=comm, read=spec.read)
     vae_cfg = VAE_PRESETS[MODELS[spec.model]]
     if spec.vae:
         with torch.device("meta"):  # streamed: tensors are read one by one into the final dtype
             vae = VideoVAE(vae_cfg)
-        _load_vae(vae, spec.vae, dtype, spec.weights_dtype, comm, read)
+        _load_vae(vae, spec.vae, dtype, spec.weights_dtype, comm, spec.read)
     else:
         vae = quantize_(seeded_vae(vae_cfg, spec.seed + 7), spec.weights_dtype, dtype)
     vae = vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
