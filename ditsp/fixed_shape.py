@@ -45,6 +45,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from . import cpu_gemm
+
 # Rows per GEMM tile: a multiple of every micro-kernel height we know of (4, 6, 8, 12, 16, 32, 64) so no
 # row of a tile falls in an edge micro-tile; chosen by `ditsp bench determinism` (cost vs one plain call).
 ROW_TILE = 768
@@ -124,7 +126,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """
     shapes = shapes or current()
     if not shapes.deterministic or x.dim() != 2:
-        return F.linear(x, weight, bias)
+        return plain_linear(x, weight, bias, shapes)
     tile = shapes.row_tile
     m, k = x.shape
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
@@ -150,6 +152,17 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         _gemm(stage_in, wt, bias, stage_out)
         dst.copy_(stage_out[:rows])
     return out
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 shapes: KernelShapes | None = None) -> torch.Tensor:
+    """One ``F.linear`` call, for rows whose call has one shape at every degree (or under the fast policy).
+
+    The fast policy sends float32 CPU calls through oneDNN (:mod:`ditsp.cpu_gemm`); the deterministic one
+    keeps the BLAS its fixed-shape guarantees were probed on.
+    """
+    shapes = shapes or current()
+    return F.linear(x, weight, bias) if shapes.deterministic else cpu_gemm.linear(x, weight, bias)
 
 
 def _gemm(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:

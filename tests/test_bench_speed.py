@@ -17,4 +17,6 @@ def test_speed_bench_runs_both_cases_at_sp_1_and_2(tmp_path, capsys):
     rows = rows["rows"]
     assert {(r["case"], r["sp"]) for r in rows} == {("dit", 1), ("dit", 2), ("vae", 1), ("vae", 2)}
     assert all(r["max_rel_err"] < 1e-5 for r in rows)  # compiled vs eager, fp32
+    assert all(r["route_rel_err"] < 1e-5 for r in rows)  # oneDNN vs BLAS float32 linears
+    assert all(r["blas_cpu_s"] > 0 for r in rows)
     assert "| case | SP |" in (tmp_path / "speed.md").read_text()

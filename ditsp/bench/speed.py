@@ -3,8 +3,10 @@
 Two cases at the released widths: the 3B DiT with ``--layers`` blocks on a ``--latent`` T,H,W latent,
 and the VAE encode + decode of a ``--clip`` T,H,W clip. For each SP degree one group of ranks
 builds the model once, compiles a second entry to the same weights (``ditsp.models.seedvr2.compiled``;
-the first compiled call is the warm-up compile, timed on its own) and then runs eager and compiled
-forwards alternately, ``--repeats`` pairs, so both see the same machine. Times are process CPU
+the first compiled call is the warm-up compile, timed on its own) and then runs three modes in turn,
+``--repeats`` rounds in rotated order so all see the same machine: eager with float32 linears on the
+BLAS (PyTorch's own route, which the SeedVR reference takes), eager on oneDNN (ditsp's default,
+:mod:`ditsp.cpu_gemm`) and compiled. Times are process CPU
 seconds (steadier than wall time on a shared machine; one thread per rank) and wall seconds, the
 minimum over repeats, the slowest rank. The profile (``torch.profiler``, top ops by self CPU time)
 is rank 0's at the first SP degree, eager and compiled. Both run under the fast kernel policy
@@ -51,8 +53,9 @@ def _measure(fn) -> tuple[float, float, torch.Tensor]:
 
 
 def rank_speed(ctx, case: str, args: dict) -> dict:
-    """One rank: build ``case``, compile it, alternate eager and compiled calls; rank 0 keeps outputs."""
+    """One rank: build ``case``, compile it, run BLAS-eager, eager and compiled calls in turn; rank 0 keeps outputs."""
     from ..config import ParallelConfig
+    from ..cpu_gemm import use_route
     from ..distributed.comm import Comm
     from ..fixed_shape import FAST, use
     from ..models.seedvr2.compiled import compile_dit, compile_vae, describe, stance
@@ -91,7 +94,8 @@ def rank_speed(ctx, case: str, args: dict) -> dict:
                 return pv.decode(z)
 
         compile_fn = compile_vae
-    times = {"eager": [], "compiled": []}
+    modes = ("blas", "eager", "compiled")
+    times = {m: [] for m in modes}
     with use(FAST):
         with stance(False):
             call()  # warm: plans, caches, first-touch allocations
@@ -100,8 +104,8 @@ def rank_speed(ctx, case: str, args: dict) -> dict:
             warm_wall, warm_cpu, _ = _measure(call)
         outs = {}
         for r in range(args["repeats"]):
-            for mode in (("eager", "compiled") if r % 2 == 0 else ("compiled", "eager")):
-                with stance(mode == "compiled"):
+            for mode in modes[r % 3:] + modes[:r % 3]:
+                with stance(mode == "compiled"), use_route("blas" if mode == "blas" else "onednn"):
                     wall, cpu, outs[mode] = _measure(call)
                 times[mode].append((wall, cpu))
         prof = None
@@ -114,7 +118,7 @@ def rank_speed(ctx, case: str, args: dict) -> dict:
         state = describe(module)
     keep = ctx.rank == 0
     return {"times": times, "warmup": (warm_wall, warm_cpu), "profile": prof, "compile": state,
-            "eager": outs["eager"].float() if keep else None, "compiled": outs["compiled"].float() if keep else None}
+            **{m: outs[m].float() if keep else None for m in modes}}
 
 
 def _run(case: str, sp: int, args: dict) -> dict:
@@ -122,10 +126,13 @@ def _run(case: str, sp: int, args: dict) -> dict:
 
     results = dispatch(rank_speed, case, args, sp=sp, threads=1, timeout_s=3600)
     # per mode, the slowest rank's best (wall, cpu)
-    best = {m: [max(min(t[i] for t in r["times"][m]) for r in results) for i in (0, 1)] for m in ("eager", "compiled")}
-    e, c = results[0]["eager"], results[0]["compiled"]
+    best = {m: [max(min(t[i] for t in r["times"][m]) for r in results) for i in (0, 1)]
+            for m in ("blas", "eager", "compiled")}
+    b, e, c = results[0]["blas"], results[0]["eager"], results[0]["compiled"]
     err = float((e - c).abs().max() / e.abs().max().clamp_min(1e-30))
-    return {"case": case, "sp": sp, "eager_wall_s": best["eager"][0], "eager_cpu_s": best["eager"][1],
+    err_route = float((e - b).abs().max() / b.abs().max().clamp_min(1e-30))
+    return {"case": case, "sp": sp, "blas_wall_s": best["blas"][0], "blas_cpu_s": best["blas"][1],
+            "route_rel_err": err_route, "eager_wall_s": best["eager"][0], "eager_cpu_s": best["eager"][1],
             "compiled_wall_s": best["compiled"][0], "compiled_cpu_s": best["compiled"][1],
             "warmup_compile_s": max(r["warmup"][0] for r in results), "max_rel_err": err,
             "compile": results[0]["compile"], "profile": results[0]["profile"]}
@@ -133,15 +140,18 @@ def _run(case: str, sp: int, args: dict) -> dict:
 
 def format_table(rows: list[dict]) -> list[str]:
     base = {(r["case"]): r for r in rows if r["sp"] == 1}
-    lines = ["| case | SP | eager CPU s | compiled CPU s | compiled / eager | eager wall s | compiled wall s | "
-             "CPU vs SP=1 eager (max rank) | warm-up compile s | max rel. error |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| case | SP | eager, BLAS GEMMs CPU s | eager CPU s | compiled CPU s | eager / BLAS | compiled / eager | "
+             "eager wall s | compiled wall s | CPU vs SP=1 eager (max rank) | warm-up compile s | "
+             "max rel. error: eager vs BLAS / compiled vs eager |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         one = base.get(r["case"])
         vs = f"{r['eager_cpu_s'] / one['eager_cpu_s']:.2f} / {r['compiled_cpu_s'] / one['eager_cpu_s']:.2f}" if one else ""
-        lines.append(f"| {r['label']} | {r['sp']} | {r['eager_cpu_s']:.2f} | {r['compiled_cpu_s']:.2f} | "
+        lines.append(f"| {r['label']} | {r['sp']} | {r['blas_cpu_s']:.2f} | {r['eager_cpu_s']:.2f} | "
+                     f"{r['compiled_cpu_s']:.2f} | {r['eager_cpu_s'] / r['blas_cpu_s']:.2f} | "
                      f"{r['compiled_cpu_s'] / r['eager_cpu_s']:.2f} | {r['eager_wall_s']:.2f} | "
-                     f"{r['compiled_wall_s']:.2f} | {vs} | {r['warmup_compile_s']:.1f} | {r['max_rel_err']:.1e} |")
+                     f"{r['compiled_wall_s']:.2f} | {vs} | {r['warmup_compile_s']:.1f} | "
+                     f"{r['route_rel_err']:.1e} / {r['max_rel_err']:.1e} |")
     return lines
 
 
@@ -164,7 +174,8 @@ def _arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--latent", type=positive_int_list, default=[5, 32, 32], help="DiT latent T,H,W")
     p.add_argument("--clip", type=positive_int_list, default=[5, 64, 64], help="VAE clip T,H,W (encode + decode)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--repeats", type=positive_int, default=2, help="eager/compiled pairs per case (order rotated)")
+    p.add_argument("--repeats", type=positive_int, default=2,
+                   help="rounds of the three modes (BLAS eager, eager, compiled) per case, order rotated")
     p.add_argument("--top", type=positive_int, default=8, help="ops per profile table")
     p.add_argument("--out", default="benchmarks/results")
     return p
@@ -195,11 +206,13 @@ def main(args=None, parser=None) -> int:
             r = _run(case, sp, conf)
             r["label"] = f"{labels[case]}, {args.dtype}"
             rows.append(r)
-            print(f"{r['label']} SP={sp}: eager {r['eager_cpu_s']:.2f} s CPU, compiled {r['compiled_cpu_s']:.2f} s "
+            print(f"{r['label']} SP={sp}: eager {r['eager_cpu_s']:.2f} s CPU (BLAS GEMMs {r['blas_cpu_s']:.2f} s), "
+                  f"compiled {r['compiled_cpu_s']:.2f} s "
                   f"({r['compile']})", flush=True)
     cap = _cpu_capability()
     head = [f"CPU capability usage: {cap}; torch {torch.__version__}; one thread per rank; "
-            f"min over {args.repeats} repeats, slowest rank; error: max |compiled - eager| / max |eager|", ""]
+            f"min over {args.repeats} repeats, slowest rank; error: max |a - b| / max |b|; "
+            f"float32 linears on oneDNN unless 'BLAS'", ""]
     table = format_table(rows)
     print("\n".join(head + table))
     out = Path(args.out)

@@ -95,10 +95,11 @@ class _Frames:
 
 
 class _Stages:
-    """Per-stage wall time, per-rank peak memory and a timeline (for the report and its picture)."""
+    """Per-stage wall and CPU time, per-rank peak memory and a timeline (for the report and its picture)."""
 
     def __init__(self, device: torch.device):
         self.time = dict.fromkeys(STAGES, 0.0)
+        self.cpu = dict.fromkeys(STAGES, 0.0)
         self.peak = dict.fromkeys(STAGES, 0)
         self.timeline: list[tuple[str, int, float, float]] = []
         self.mem = PeakMemory(device)
@@ -109,13 +110,14 @@ class _Stages:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.mem.start()
-        a = time.perf_counter()
+        a, cpu = time.perf_counter(), time.process_time()
         out = fn(*args)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         b = time.perf_counter()
         beat()  # a stage ended: the launcher's stuck-rank check sees progress
         self.time[stage] += b - a
+        self.cpu[stage] += time.process_time() - cpu
         self.peak[stage] = max(self.peak[stage], self.mem.peak_added())
         self.timeline.append((stage, window, a - self.t0, b - self.t0))
         return out
@@ -243,6 +245,8 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
     report = {
         "rank": ctx.rank,
         "stage_s": st.time,
+        "stage_cpu_s": st.cpu,
+        "cpu_s": time.process_time(),  # the rank's whole process: start-up, weights, every stage
         "stage_peak_bytes": st.peak,
         "bytes_sent": comm.stats.bytes_sent,
         "collectives": comm.stats.as_dict(),

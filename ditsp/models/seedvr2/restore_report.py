@@ -12,9 +12,12 @@ def summarize(results: list[dict]) -> dict:
     out = dict(results[0])
     out["world_size"] = len(results)
     out["rank_stage_peak_bytes"] = [r["stage_peak_bytes"] for r in results]
+    out["rank_stage_cpu_s"] = [r["stage_cpu_s"] for r in results]
+    out["rank_cpu_s"] = [r["cpu_s"] for r in results]
     out["rank_bytes_sent"] = [r["bytes_sent"] for r in results]
     out["bytes_moved"] = sum(r["bytes_sent"] for r in results)
-    out.pop("stage_peak_bytes", None)
+    for k in ("stage_peak_bytes", "stage_cpu_s", "cpu_s"):
+        out.pop(k, None)
     out.pop("rank", None)
     return out
 

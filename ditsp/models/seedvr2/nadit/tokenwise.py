@@ -11,10 +11,10 @@ under the policy of the running forward).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ....fixed_shape import linear_rows
+from .... import cpu_gemm
+from ....fixed_shape import linear_rows, plain_linear
 
 
 class TokenLinear(nn.Linear):
@@ -28,8 +28,10 @@ class TokenLinear(nn.Linear):
     replicated_rows = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.replicated_rows or torch.compiler.is_compiling():  # compiled: plain calls (ditsp.models.seedvr2.compiled)
-            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():  # compiled: plain calls, the fast policy (ditsp.models.seedvr2.compiled)
+            return cpu_gemm.linear(x, self.weight, self.bias)
+        if self.replicated_rows:
+            return plain_linear(x, self.weight, self.bias)
         return linear_rows(x, self.weight, self.bias)
 
 

@@ -71,9 +71,10 @@ def row_moments(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tenso
     ranks the piece has, so a height slab and the whole frame produce the same numbers for the
     rows they share:
 
-    - each channel's row is reduced over its W columns in one last-dim reduction (float32/64
-      input: ``var_mean``, which accumulates Welford in float64; 16-bit input: float32 sums of
-      x and x^2, no upcast copy of the tensor);
+    - each channel's row is reduced over its W columns in last-dim reductions (float32/64 input:
+      two passes, the mean, then the sum of squared deviations from it, within 2e-7 of the exact
+      variance and 6-20x faster than ``var_mean``'s float64 Welford, which was 9.6% of the VAE's
+      time; 16-bit input: float32 sums of x and x^2, no upcast copy of the tensor);
     - the channels of a group are then merged one by one in channel order (elementwise float64
       ops on (B, G, T, h) tensors; Chan's rule for equal counts).
 
@@ -88,8 +89,9 @@ def row_moments(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tenso
         z = torch.zeros((b, groups, t, h), dtype=torch.float64, device=x.device)
         return z, z.clone()
     if x.dtype in (torch.float32, torch.float64):
-        var, mean = torch.var_mean(x, dim=-1, correction=0)
-        mean, m2 = mean.double(), var.double() * w
+        mean = x.mean(-1)
+        m2 = (x - mean.unsqueeze(-1)).square_().sum(-1)
+        mean, m2 = mean.double(), m2.double()
     else:
         s1 = x.sum(-1, dtype=torch.float32).double()
         s2 = torch.linalg.vector_norm(x, 2, dim=-1, dtype=torch.float32).double().square()

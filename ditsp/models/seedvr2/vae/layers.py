@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ....fixed_shape import conv_tile_rows
+from ....fixed_shape import conv_tile_rows, plain_linear
 from .config import VaeConfig
 
 
@@ -251,12 +251,12 @@ class MidAttention(nn.Module):
         outs = []
         for i in range(t):  # one frame at a time: the same GEMM shapes in every mode and chunking
             f = tok[:, i].contiguous()
-            q = F.linear(f, self.to_q.weight.to(dt), self.to_q.bias.to(dt))
-            k = F.linear(f, self.to_k.weight.to(dt), self.to_k.bias.to(dt))
-            v = F.linear(f, self.to_v.weight.to(dt), self.to_v.bias.to(dt))
+            q = plain_linear(f, self.to_q.weight.to(dt), self.to_q.bias.to(dt))
+            k = plain_linear(f, self.to_k.weight.to(dt), self.to_k.bias.to(dt))
+            v = plain_linear(f, self.to_v.weight.to(dt), self.to_v.bias.to(dt))
             o = F.scaled_dot_product_attention(q, k, v) if f.shape[1] else q
             del q, k, v
-            outs.append(ex.own_tokens(F.linear(o, self.to_out[0].weight.to(dt), self.to_out[0].bias.to(dt)), w))
+            outs.append(ex.own_tokens(plain_linear(o, self.to_out[0].weight.to(dt), self.to_out[0].bias.to(dt)), w))
         del tok
         o = torch.stack(outs, 1) if outs else x.new_zeros((b, 0, h * w, c))
         return x + o.view(b, t, h, w, c).permute(0, 4, 1, 2, 3)

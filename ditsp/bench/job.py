@@ -1,0 +1,163 @@
+"""The whole job: ``ditsp upscale`` end to end at each SP degree, stage by stage, side by side.
+
+A held-out clip (``ditsp.train.heldout``: a panned crop of a photograph the small restorer never saw,
+degraded by the training chain) is restored by the ``ditsp upscale`` command line itself, one fresh
+process per run, as a user runs it: start-up, spawning the ranks, loading the weights and every
+stage are in the wall time. Per run: wall seconds (measured here), CPU seconds of every process
+(this process's children, ranks included), each stage's wall seconds (rank 0's report) and CPU
+seconds (the slowest rank's), and each rank's whole-process CPU seconds. Runs of the SP degrees
+alternate, ``--repeats`` rounds with the order rotated; the table shows each figure's minimum over
+the rounds. Every degree must write the same frames under ``--deterministic`` (checked; the default
+fast policy is compared by PSNR). Results: ``benchmarks/results/job.md`` and ``job.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..argtypes import positive_int, positive_int_list
+
+STAGES = ("read", "vae_encode", "dit", "vae_decode", "color_fix", "write")
+_CLI = "import sys; from ditsp.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _upscale(argv: list[str], timeout_s: float) -> tuple[dict, float, float]:
+    """One ``ditsp upscale ... --json`` in a fresh process: (report, wall s, CPU s of it and its ranks)."""
+    cpu0, t0 = _children_cpu(), time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", _CLI, "upscale", *argv, "--json"], capture_output=True,
+                          text=True, timeout=timeout_s)
+    wall, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()
+        raise RuntimeError(f"ditsp upscale {' '.join(argv)} failed: {tail[-1] if tail else done.returncode}")
+    return json.loads(done.stdout[done.stdout.index("{"):]), wall, cpu
+
+
+def _figures(report: dict, wall: float, cpu: float) -> dict:
+    return {
+        "wall_s": wall, "cpu_all_s": cpu,
+        "stage_s": report["stage_s"],
+        "stage_cpu_max_rank_s": {k: max(r[k] for r in report["rank_stage_cpu_s"]) for k in STAGES},
+        "rank_cpu_s": report["rank_cpu_s"],
+        "sha256": report["sha256"],
+    }
+
+
+def _best(runs: list[dict]) -> dict:
+    """Each figure's minimum over the rounds (stages separately)."""
+    return {
+        "wall_s": min(r["wall_s"] for r in runs), "cpu_all_s": min(r["cpu_all_s"] for r in runs),
+        "stage_s": {k: min(r["stage_s"][k] for r in runs) for k in STAGES},
+        "stage_cpu_max_rank_s": {k: min(r["stage_cpu_max_rank_s"][k] for r in runs) for k in STAGES},
+        "rank_cpu_max_s": min(max(r["rank_cpu_s"]) for r in runs),
+        "sha256": sorted({r["sha256"] for r in runs}),
+    }
+
+
+def format_table(sps: list[int], best: dict[int, dict]) -> list[str]:
+    base = best[sps[0]]
+    head = "| | " + " | ".join(f"SP={s}" for s in sps) + " | " + " | ".join(f"SP={s} / SP={sps[0]}" for s in sps[1:]) + " |"
+    lines = [head, "| --- |" + " ---: |" * (2 * len(sps) - 1)]
+
+    def row(label: str, get) -> None:
+        vals = [get(best[s]) for s in sps]
+        ratios = [f"{v / get(base):.2f}" if get(base) > 0 else "" for v in vals[1:]]
+        lines.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in vals) + " | " + " | ".join(ratios) + " |")
+
+    for k in STAGES:
+        row(f"{k} s (rank 0 wall)", lambda b, k=k: b["stage_s"][k])
+    row("stages, sum s", lambda b: sum(b["stage_s"].values()))
+    row("stages, CPU s of the slowest rank", lambda b: sum(b["stage_cpu_max_rank_s"].values()))
+    row("wall s (start-up, ranks, weights included)", lambda b: b["wall_s"])
+    row("CPU s per rank, whole process (max rank)", lambda b: b["rank_cpu_max_s"])
+    row("CPU s, all processes", lambda b: b["cpu_all_s"])
+    return lines
+
+
+def _arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--sp", type=positive_int_list, default=[1, 2], help="SP degrees, side by side (first: baseline)")
+    p.add_argument("--frames", type=positive_int, default=33)
+    p.add_argument("--size", default="256x256", help="output WxH (the input is half of it, degraded)")
+    p.add_argument("--window-frames", type=positive_int, default=17)
+    p.add_argument("--overlap", type=int, default=4)
+    p.add_argument("--weights", default="weights/tiny", help="folder with dit.safetensors and vae.safetensors")
+    p.add_argument("--deterministic", action="store_true", help="fixed-shape kernel calls: every degree writes the same bytes")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--threads", type=positive_int, default=1, help="threads per rank")
+    p.add_argument("--repeats", type=positive_int, default=1, help="rounds over the SP degrees, order rotated")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--out", default="benchmarks/results")
+    return p
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("job", help="ditsp upscale end to end at each SP degree, stage by stage",
+                       description=__doc__)
+    _arguments(p)
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args=None, parser=None) -> int:
+    from ..train import heldout
+
+    if args is None:
+        args = _arguments(argparse.ArgumentParser()).parse_args()
+    weights = Path(args.weights)
+    for name in ("dit.safetensors", "vae.safetensors"):
+        if not (weights / name).is_file():
+            (parser or argparse.ArgumentParser()).error(f"--weights {weights}: no {name} there")
+    sps = list(dict.fromkeys(args.sp))
+    runs: dict[int, list[dict]] = {s: [] for s in sps}
+    with tempfile.TemporaryDirectory(prefix="ditsp-bench-job-") as tmp:
+        clip, clean = os.path.join(tmp, "input.mp4"), os.path.join(tmp, "clean")
+        heldout.main([clip, clean, "--size", args.size, "--frames", str(args.frames), "--overwrite"])
+        common = [clip, "--scale", "2", "--window-frames", str(args.window_frames), "--overlap", str(args.overlap),
+                  "--dit", str(weights / "dit.safetensors"), "--vae", str(weights / "vae.safetensors"),
+                  "--threads", str(args.threads), "--overwrite", "--no-progress"]
+        common += ["--deterministic"] * args.deterministic + ["--compile"] * args.compile
+        for r in range(args.repeats):
+            for sp in sps[r % len(sps):] + sps[:r % len(sps)]:
+                out = os.path.join(tmp, f"out-sp{sp}.mp4")
+                report, wall, cpu = _upscale([*common, "-o", out, "--sp", str(sp)], args.timeout)
+                runs[sp].append(_figures(report, wall, cpu))
+                print(f"SP={sp} round {r + 1}: wall {wall:.1f} s, CPU {cpu:.1f} s (all processes), "
+                      f"stages {sum(report['stage_s'].values()):.1f} s", flush=True)
+    best = {s: _best(runs[s]) for s in sps}
+    digests = {d for b in best.values() for d in b["sha256"]}
+    same = len(digests) == 1
+    if args.deterministic and not same:
+        print(f"error: --deterministic runs wrote different frames: {sorted(digests)}", file=sys.stderr)
+        return 1
+    from .speed import _cpu_capability
+
+    policy = "deterministic (fixed-shape calls)" if args.deterministic else "fast (default)"
+    w, h = (int(v) for v in args.size.lower().split("x"))
+    head = [f"`ditsp upscale` of a {args.frames}-frame held-out clip, {w // 2}x{h // 2} -> {w}x{h}, small restorer "
+            f"({args.weights}), {args.window_frames}-frame windows (overlap {args.overlap}), {args.threads} thread(s) "
+            f"per rank, kernel policy {policy}{', --compile' if args.compile else ''}; CPU capability usage: "
+            f"{_cpu_capability()}; {os.cpu_count()} CPU cores; min over {args.repeats} round(s); "
+            f"frames {'identical at every degree' if same else 'differ between degrees (fast policy)'} "
+            f"(sha256 {', '.join(sorted(d[:16] for d in digests))})", ""]
+    table = format_table(sps, best)
+    print("\n".join(head + table))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "job.md").write_text("\n".join(["# The whole job at each SP degree (`ditsp bench job`)", "", *head, *table]) + "\n")
+    (out / "job.json").write_text(json.dumps({"args": vars(args) | {"func": None}, "runs": runs, "best": best},
+                                             indent=1, default=str) + "\n")
+    print(f"wrote {out / 'job.md'} and job.json")
+    return 0

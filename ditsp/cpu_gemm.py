@@ -1,0 +1,115 @@
+"""Float32 linears on CPU through oneDNN, the library PyTorch already uses for convolutions and bf16.
+
+PyTorch hands a float32 ``F.linear`` on CPU to its BLAS (MKL) and a bf16 one to
+oneDNN. MKL picks its kernels by CPU vendor as well as features: on an AMD EPYC
+with AVX-512 it runs its AVX2 kernels, 82-88 GFLOP/s on one core against
+oneDNN's 177-195 GFLOP/s (2.2x) for the DiT's shapes; with the ISA capped at
+AVX2 for both, oneDNN is still 1.6x (``benchmarks/results/speed.md``). oneDNN
+dispatches on the CPU's feature flags alone, which is also how it already runs
+every convolution of the VAE.
+
+:func:`linear` is ``F.linear`` with that route for float32 CPU tensors that
+need no gradient (oneDNN's op here has no backward), under the fast kernel
+policy only: the fixed-shape GEMM tiles of the deterministic policy keep the
+BLAS their position-free property was probed on (``ditsp doctor``). Results
+differ from the BLAS's in summation order only (about 5e-7 of the output's
+scale). ``DITSP_CPU_GEMM=blas`` turns the route off; a oneDNN build that
+refuses a call turns it off for the process, with one warning.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+ROUTES = ("onednn", "blas")
+ENV = "DITSP_CPU_GEMM"
+
+
+def _route_from_env() -> str:
+    route = os.environ.get(ENV, "onednn").strip().lower() or "onednn"
+    if route not in ROUTES:
+        raise ValueError(f"{ENV}={route!r}: expected one of {', '.join(ROUTES)}")
+    return route
+
+
+def _onednn_op():
+    if not torch.backends.mkldnn.is_available():
+        return None
+    return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+
+
+_op = _onednn_op() if _route_from_env() == "onednn" else None
+
+
+# A forward's own choice (``ditsp bench speed`` runs both routes in one process); None: the process's.
+_chosen: ContextVar[str | None] = ContextVar("ditsp_cpu_gemm_route", default=None)
+
+
+def route() -> str:
+    """The route float32 CPU linears take here: ``onednn`` or ``blas``."""
+    if _op is None:
+        return "blas"
+    return _chosen.get() or "onednn"
+
+
+@contextmanager
+def use_route(name: str) -> Iterator[str]:
+    """Run the block's eager float32 CPU linears on ``name`` (``blas`` or ``onednn``, where available)."""
+    if name not in ROUTES:
+        raise ValueError(f"unknown GEMM route {name!r}; expected one of {', '.join(ROUTES)}")
+    token = _chosen.set(name)
+    try:
+        yield route()
+    finally:
+        _chosen.reset(token)
+
+
+def _wants_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    if _op is None or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return False
+    if bias is not None and bias.dtype != torch.float32:
+        return False
+    if x.dim() < 2 or x.numel() == 0:
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                             or (bias is not None and bias.requires_grad)))
+
+
+@torch.library.custom_op("ditsp::onednn_linear", mutates_args=())
+def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The oneDNN call as one opaque op, so torch.compile calls it as it stands (inductor would not lower it)."""
+    return _call(x, weight, bias)
+
+
+@_compiled_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, float32 CPU inference through oneDNN (see the module docstring)."""
+    if torch.compiler.is_compiling():
+        return _compiled_linear(x, weight, bias) if _wants_onednn(x, weight, bias) else F.linear(x, weight, bias)
+    if _chosen.get() == "blas" or not _wants_onednn(x, weight, bias):
+        return F.linear(x, weight, bias)
+    return _call(x, weight, bias)
+
+
+def _call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    global _op
+    if _op is None:
+        return F.linear(x, weight, bias)
+    try:
+        return _op(x.contiguous(), weight.contiguous(), bias, "none", [], "")
+    except RuntimeError as e:
+        _op = None
+        warnings.warn(f"oneDNN refused a float32 linear ({str(e).splitlines()[0]}); "
+                      f"float32 linears use the BLAS from now on", RuntimeWarning, stacklevel=2)
+        return F.linear(x, weight, bias)

@@ -1,0 +1,32 @@
+"""`ditsp bench job` end to end at the smallest clip: both degrees, deterministic (the same frames), the table,
+the JSON, and the per-rank CPU figures the restoration reports."""
+
+import json
+
+import pytest
+
+from ditsp.cli import main
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_job_bench_runs_one_device_and_sp2_and_they_write_the_same_frames(tmp_path, capsys):
+    argv = ["bench", "job", "--sp", "1,2", "--frames", "5", "--size", "64x48", "--window-frames", "5",
+            "--overlap", "0", "--deterministic", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "job.json").read_text())
+    best = data["best"]
+    assert set(best) == {"1", "2"}
+    assert best["1"]["sha256"] == best["2"]["sha256"] and len(best["1"]["sha256"]) == 1
+    for sp, b in best.items():
+        assert b["wall_s"] > sum(b["stage_s"].values()) > 0
+        assert b["cpu_all_s"] >= b["rank_cpu_max_s"] > 0
+    assert len(data["runs"]["2"][0]["rank_cpu_s"]) == 2
+    md = (tmp_path / "job.md").read_text()
+    assert "| vae_decode s (rank 0 wall) |" in md and "SP=2 / SP=1" in md
+
+
+def test_job_bench_refuses_a_folder_without_weights(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "job", "--weights", str(tmp_path), "--out", str(tmp_path)])
+    assert "no dit.safetensors there" in capsys.readouterr().err
