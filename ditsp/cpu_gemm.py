@@ -9,12 +9,14 @@ dispatches on the CPU's feature flags alone, which is also how it already runs
 every convolution of the VAE.
 
 :func:`linear` is ``F.linear`` with that route for float32 CPU tensors that
-need no gradient (oneDNN's op here has no backward), under the fast kernel
-policy only: the fixed-shape GEMM tiles of the deterministic policy keep the
-BLAS their position-free property was probed on (``ditsp doctor``). Results
-differ from the BLAS's in summation order only (about 5e-7 of the output's
-scale). ``DITSP_CPU_GEMM=blas`` turns the route off; a oneDNN build that
-refuses a call turns it off for the process, with one warning.
+need no gradient (oneDNN's op here has no backward; training keeps the BLAS).
+Both kernel policies take it: the fast policy's plain calls and the
+deterministic policy's fixed-shape tiles (:mod:`ditsp.fixed_shape`; a 768-row
+oneDNN call is position-free under the AVX-512 and AVX2 kernel sets, which
+``ditsp doctor`` probes on any machine). Results differ from the BLAS's in
+summation order only (about 5e-7 of the output's scale). ``DITSP_CPU_GEMM=blas``
+turns the route off; a oneDNN build that refuses a call turns it off for the
+process, with one warning.
 """
 
 from __future__ import annotations
@@ -71,7 +73,12 @@ def use_route(name: str) -> Iterator[str]:
         _chosen.reset(token)
 
 
-def _wants_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether :func:`linear` sends this call to oneDNN (float32 CPU, no gradient, the route on)."""
+    return route() == "onednn" and _eligible(x, weight, bias)
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     if _op is None or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return False
     if bias is not None and bias.dtype != torch.float32:
@@ -96,8 +103,8 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, float32 CPU inference through oneDNN (see the module docstring)."""
     if torch.compiler.is_compiling():
-        return _compiled_linear(x, weight, bias) if _wants_onednn(x, weight, bias) else F.linear(x, weight, bias)
-    if _chosen.get() == "blas" or not _wants_onednn(x, weight, bias):
+        return _compiled_linear(x, weight, bias) if _eligible(x, weight, bias) else F.linear(x, weight, bias)
+    if not applies(x, weight, bias):
         return F.linear(x, weight, bias)
     return _call(x, weight, bias)
 

@@ -16,8 +16,10 @@ position in the call or on the other rows. This module makes every such call
 on the SP path take a shape that depends on the model alone:
 
 - token-row GEMMs run in tiles of exactly ``row_tile`` rows, the tail tile
-  zero-padded (:func:`linear_rows`); rows every rank holds whole (a request's
-  text) already have one shape at every degree and run plain calls;
+  zero-padded (:func:`linear_rows`), float32 CPU tiles on oneDNN like every
+  float32 linear (:mod:`ditsp.cpu_gemm`; its 768-row calls are position-free
+  under the AVX-512 and AVX2 kernel sets alike); rows every rank holds whole (a
+  request's text) already have one shape at every degree and run plain calls;
 - window attention runs each window shape's (window, head) pairs in batches of
   a fixed size that depends on the window's length only (:func:`pair_batch`);
 - the VAE's convolutions run one output frame of a fixed number of output
@@ -126,7 +128,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """
     shapes = shapes or current()
     if not shapes.deterministic or x.dim() != 2:
-        return plain_linear(x, weight, bias, shapes)
+        return plain_linear(x, weight, bias)
     tile = shapes.row_tile
     m, k = x.shape
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
@@ -136,7 +138,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return torch.cat([F.linear(t, weight, bias) for t in xp.split(tile)])[:m]
     out = x.new_empty(m, weight.shape[0])
     wt = weight.t()
-    direct = _aligned(x) and _aligned(out)
+    onednn = cpu_gemm.applies(x, weight, bias)  # oneDNN writes a new output: every tile through the staging rows
+    direct = not onednn and _aligned(x) and _aligned(out)
     stage_in = stage_out = None
     for start in range(0, m, tile):
         rows = min(tile, m - start)
@@ -145,24 +148,25 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             _gemm(src, wt, bias, dst)
             continue
         if stage_in is None:
-            stage_in, stage_out = x.new_zeros(tile, k), x.new_empty(tile, weight.shape[0])
+            stage_in, stage_out = x.new_zeros(tile, k), x.new_empty(tile, weight.shape[0])  # 64-byte aligned
         stage_in[:rows] = src
         if rows < tile:
             stage_in[rows:] = 0
-        _gemm(stage_in, wt, bias, stage_out)
-        dst.copy_(stage_out[:rows])
+        if onednn:
+            dst.copy_(cpu_gemm.linear(stage_in, weight, bias)[:rows])
+        else:
+            _gemm(stage_in, wt, bias, stage_out)
+            dst.copy_(stage_out[:rows])
     return out
 
 
-def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 shapes: KernelShapes | None = None) -> torch.Tensor:
+def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """One ``F.linear`` call, for rows whose call has one shape at every degree (or under the fast policy).
 
-    The fast policy sends float32 CPU calls through oneDNN (:mod:`ditsp.cpu_gemm`); the deterministic one
-    keeps the BLAS its fixed-shape guarantees were probed on.
+    Float32 CPU calls go through oneDNN (:mod:`ditsp.cpu_gemm`) under either policy: the call's shape
+    is the same at every degree, so any one library gives every degree the same bits.
     """
-    shapes = shapes or current()
-    return F.linear(x, weight, bias) if shapes.deterministic else cpu_gemm.linear(x, weight, bias)
+    return cpu_gemm.linear(x, weight, bias)
 
 
 def _gemm(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
