@@ -21,6 +21,7 @@ def test_job_bench_runs_one_device_and_sp2_and_they_write_the_same_frames(tmp_pa
     for sp, b in best.items():
         assert b["wall_s"] > sum(b["stage_s"].values()) > 0
         assert b["cpu_all_s"] >= b["rank_cpu_max_s"] > 0
+        assert all(v >= 0 for v in b["phases_s"].values()) and sum(b["phases_s"].values()) <= b["wall_s"] + 0.5
     assert len(data["runs"]["2"][0]["rank_cpu_s"]) == 2
     md = (tmp_path / "job.md").read_text()
     assert "| vae_decode s (rank 0 wall) |" in md and "SP=2 / SP=1" in md

@@ -3,9 +3,10 @@
 A held-out clip (``ditsp.train.heldout``: a panned crop of a photograph the small restorer never saw,
 degraded by the training chain) is restored by the ``ditsp upscale`` command line itself, one fresh
 process per run, as a user runs it: start-up, spawning the ranks, loading the weights and every
-stage are in the wall time. Per run: wall seconds (measured here), CPU seconds of every process
-(this process's children, ranks included), each stage's wall seconds (rank 0's report) and CPU
-seconds (the slowest rank's), and each rank's whole-process CPU seconds. Runs of the SP degrees
+stage are in the wall time. Per run: wall seconds (measured here) and where they go (start-up,
+weights, restoration, finish), CPU seconds of every process (this process's children, ranks
+included), each stage's wall seconds (rank 0's report) and CPU seconds (the slowest rank's), and
+each rank's whole-process CPU seconds. Runs of the SP degrees
 alternate, ``--repeats`` rounds with the order rotated; the table shows each figure's minimum over
 the rounds. Every degree must write the same frames under ``--deterministic`` (checked; the default
 fast policy is compared by PSNR). Results: ``benchmarks/results/job.md`` and ``job.json``.
@@ -26,6 +27,13 @@ from pathlib import Path
 from ..argtypes import positive_int, positive_int_list
 
 STAGES = ("read", "vae_encode", "dit", "vae_decode", "color_fix", "write")
+# Where the wall time goes, in order: launch to the last rank running the job (interpreter, imports,
+# spawning ranks, the group), the weights' load, the restoration (the stages and what lies between
+# them), and the ranks' results back and the process's exit.
+PHASES = ("start", "weights", "restore", "finish")
+PHASE_LABELS = {"start": "start: launch to every rank running (imports, spawn, group)",
+                "weights": "weights load", "restore": "restoration (stages and between)",
+                "finish": "finish: results back, exit"}
 _CLI = "import sys; from ditsp.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
@@ -36,19 +44,27 @@ def _children_cpu() -> float:
 
 def _upscale(argv: list[str], timeout_s: float) -> tuple[dict, float, float]:
     """One ``ditsp upscale ... --json`` in a fresh process: (report, wall s, CPU s of it and its ranks)."""
-    cpu0, t0 = _children_cpu(), time.perf_counter()
+    cpu0, t0, launched = _children_cpu(), time.perf_counter(), time.time()
     done = subprocess.run([sys.executable, "-c", _CLI, "upscale", *argv, "--json"], capture_output=True,
                           text=True, timeout=timeout_s)
     wall, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()
         raise RuntimeError(f"ditsp upscale {' '.join(argv)} failed: {tail[-1] if tail else done.returncode}")
-    return json.loads(done.stdout[done.stdout.index("{"):]), wall, cpu
+    report = json.loads(done.stdout[done.stdout.index("{"):])
+    report["launched_at"] = launched
+    return report, wall, cpu
 
 
 def _figures(report: dict, wall: float, cpu: float) -> dict:
+    times = report["rank_times"]
+    entered = max(t["entered_at"] for t in times)  # the last rank in: the group's start
+    ready = max(t["entered_at"] + t["load_s"] for t in times)
+    done = max(t["done_at"] for t in times)
     return {
         "wall_s": wall, "cpu_all_s": cpu,
+        "phases_s": {"start": entered - report["launched_at"], "weights": ready - entered,
+                     "restore": done - ready, "finish": wall - (done - report["launched_at"])},
         "stage_s": report["stage_s"],
         "stage_cpu_max_rank_s": {k: max(r[k] for r in report["rank_stage_cpu_s"]) for k in STAGES},
         "rank_cpu_s": report["rank_cpu_s"],
@@ -62,6 +78,7 @@ def _best(runs: list[dict]) -> dict:
         "wall_s": min(r["wall_s"] for r in runs), "cpu_all_s": min(r["cpu_all_s"] for r in runs),
         "stage_s": {k: min(r["stage_s"][k] for r in runs) for k in STAGES},
         "stage_cpu_max_rank_s": {k: min(r["stage_cpu_max_rank_s"][k] for r in runs) for k in STAGES},
+        "phases_s": {k: min(r["phases_s"][k] for r in runs) for k in PHASES},
         "rank_cpu_max_s": min(max(r["rank_cpu_s"]) for r in runs),
         "sha256": sorted({r["sha256"] for r in runs}),
     }
@@ -81,6 +98,8 @@ def format_table(sps: list[int], best: dict[int, dict]) -> list[str]:
         row(f"{k} s (rank 0 wall)", lambda b, k=k: b["stage_s"][k])
     row("stages, sum s", lambda b: sum(b["stage_s"].values()))
     row("stages, CPU s of the slowest rank", lambda b: sum(b["stage_cpu_max_rank_s"].values()))
+    for k in PHASES:
+        row(f"{PHASE_LABELS[k]} s", lambda b, k=k: b["phases_s"][k])
     row("wall s (start-up, ranks, weights included)", lambda b: b["wall_s"])
     row("CPU s per rank, whole process (max rank)", lambda b: b["rank_cpu_max_s"])
     row("CPU s, all processes", lambda b: b["cpu_all_s"])

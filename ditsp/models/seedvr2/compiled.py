@@ -41,12 +41,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...fixed_shape import current
+from .nadit import blocks
 
 __all__ = ["CompileState", "check_policy", "compile_dit", "compile_vae", "describe", "fused_norm", "stance"]
 
 POLICY_ERROR = ("--compile runs inductor's kernels, which the fixed-shape promise (--deterministic) does not "
                 "cover: pass --no-deterministic with --compile")
-_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.CppCompileError)
 _ATTR = "_ditsp_compile"
 # False inside a request that did not ask for compile (its models may have been compiled by an earlier one)
 _enabled: ContextVar[bool] = ContextVar("ditsp_compile", default=True)
@@ -95,6 +95,12 @@ def stance(compiled: bool):
         _enabled.reset(token)
 
 
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """The compiler's own errors; looked up when needed, since importing the compiler stack costs every
+    process (each rank of every job) 1.2 s of start-up."""
+    return (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.CppCompileError)
+
+
 def _mark(t: torch.Tensor, dims) -> None:
     for d in dims:
         if t.dim() > d and t.shape[d] >= 2:
@@ -110,7 +116,7 @@ def _guard(state: CompileState, compiled, eager, dynamic_dims):
             _mark(a, dims)
         try:
             return compiled(*args, **kw)
-        except _ERRORS as e:
+        except _compile_errors() as e:  # evaluated only when something raised
             state.fail(e)
             return eager(*args, **kw)
     return call
@@ -133,12 +139,23 @@ def kernel_set_cache() -> str:
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
+def _break_graphs_at_runtime_calls() -> None:
+    """Put the blocks' calls into the SP runtime (``blocks.RUNTIME_CALLS``) outside compiled graphs, once."""
+    for name in blocks.RUNTIME_CALLS:
+        fn = getattr(blocks, name)
+        if not getattr(fn, "_ditsp_outside_graphs", False):
+            fn = torch.compiler.disable(fn)
+            fn._ditsp_outside_graphs = True
+            setattr(blocks, name, fn)
+
+
 def compile_dit(model: nn.Module) -> CompileState:
     """Compile every block of a NaDiT in place (idempotent); returns its state."""
     state = getattr(model, _ATTR, None)
     if state is not None:
         return state
     kernel_set_cache()
+    _break_graphs_at_runtime_calls()
     state = CompileState("DiT blocks", next(model.parameters()).device)
     # the 3B's text RoPE cos/sin come from an lru_cache'd helper; tracing it is correct (the values depend on
     # the arguments only), so dynamo's generic warning about cached functions is noise here

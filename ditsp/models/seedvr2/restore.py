@@ -154,11 +154,13 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
 def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
     from tqdm import tqdm  # local: read when the job runs (serve/workers.py swaps in its progress reporter first)
 
+    entered = time.time()  # wall clock: the job's launcher compares it with its own start
     group = ctx.group if ctx.world_size > 1 else None
     device = ctx.device
     # The job's one Comm of the group: the weights' load, the VAE, every DiT runtime and the writer's rows.
     comm = Comm.of(group)
     models = load(req.weights, device, comm=comm)  # a bad checkpoint: the same error on every rank
+    loaded = time.time()
     comm.stats.reset()  # the report counts the restoration's traffic, not the weights' load
     if req.compile:
         compile_dit(models.dit)
@@ -247,6 +249,7 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
         "stage_s": st.time,
         "stage_cpu_s": st.cpu,
         "cpu_s": time.process_time(),  # the rank's whole process: start-up, weights, every stage
+        "entered_at": entered, "load_s": loaded - entered, "done_at": time.time(),
         "stage_peak_bytes": st.peak,
         "bytes_sent": comm.stats.bytes_sent,
         "collectives": comm.stats.as_dict(),

@@ -14,9 +14,10 @@ def summarize(results: list[dict]) -> dict:
     out["rank_stage_peak_bytes"] = [r["stage_peak_bytes"] for r in results]
     out["rank_stage_cpu_s"] = [r["stage_cpu_s"] for r in results]
     out["rank_cpu_s"] = [r["cpu_s"] for r in results]
+    out["rank_times"] = [{k: r[k] for k in ("entered_at", "load_s", "done_at")} for r in results]
     out["rank_bytes_sent"] = [r["bytes_sent"] for r in results]
     out["bytes_moved"] = sum(r["bytes_sent"] for r in results)
-    for k in ("stage_peak_bytes", "stage_cpu_s", "cpu_s"):
+    for k in ("stage_peak_bytes", "stage_cpu_s", "cpu_s", "entered_at", "load_s", "done_at"):
         out.pop(k, None)
     out.pop("rank", None)
     return out

@@ -24,16 +24,21 @@ from .tokenwise import TokenLinear, mark_replicated_rows
 ATTN, MLP = 0, 1  # AdaSingle layer slots
 
 
-@torch.compiler.disable
 def attend(runtime, *args):
-    """``runtime.attend``: outside any compiled graph (its collectives and per-window-shape loops run eager)."""
+    """``runtime.attend``: outside any compiled graph (its collectives and per-window-shape loops run eager;
+    ``compiled.compile_dit`` marks it, see RUNTIME_CALLS)."""
     return runtime.attend(*args)
 
 
-@torch.compiler.disable
 def reduce_text(runtime, txt_sum: torch.Tensor, layer: int) -> torch.Tensor:
-    """``runtime.reduce_text`` (one all-reduce): outside any compiled graph."""
+    """``runtime.reduce_text`` (one all-reduce): outside any compiled graph (see RUNTIME_CALLS)."""
     return runtime.reduce_text(txt_sum, layer)
+
+
+# The calls into the SP runtime, where a compiled block's graph breaks. ``compiled.compile_dit`` wraps them
+# with ``torch.compiler.disable`` when it first compiles: as decorators here they would load the compiler
+# stack into every process that imports the model (1.3 s of each rank's start-up).
+RUNTIME_CALLS = ("attend", "reduce_text")
 SHIFT, SCALE, GATE = 0, 1, 2
 
 
