@@ -48,6 +48,7 @@ def everywhere(monkeypatch):
     """Winograd for every 3x3x3 conv, however narrow (the thresholds are a speed choice, not a correctness one)."""
     monkeypatch.setattr(winograd, "RULES", ((1, 1, 1),))
     monkeypatch.setattr(winograd, "MIN_COUT", 1)
+    monkeypatch.setattr(winograd, "FIRST_CALL_PIXELS", 0)  # transform on the first call, however small
     monkeypatch.delenv(winograd.ENV, raising=False)
 
 
@@ -147,8 +148,10 @@ def test_thresholds_pick_wide_convs():
         with torch.no_grad():
             return winograd.applies(x, w, None, (1, 1, 1), (0, 1, 1))
 
-    assert applies(512, 512, 2, 8)  # 8 GEMM rows are enough at 512 channels
-    assert applies(256, 256, 3, 16) and not applies(256, 256, 1, 16)  # 48 rows, 16 rows
+    # GEMM rows = output frames x 4x4 tiles: 48 are enough at 256+ channels, 8 or 16 stream 4x the filter
+    # bytes of a direct conv for too little work
+    assert applies(512, 512, 3, 16) and not applies(512, 512, 2, 8)
+    assert applies(256, 256, 3, 16) and not applies(256, 256, 1, 16)
     assert applies(128, 128, 5, 64) and not applies(128, 128, 1, 64) and not applies(128, 128, 5, 16)
     assert not applies(64, 64, 5, 64)  # too narrow
     assert not applies(128, 3, 5, 64)  # a conv_out: nothing to save in its GEMMs
@@ -198,6 +201,25 @@ def test_filter_cache_follows_the_weight(everywhere):
         assert other.winograd.filters is None
         with use(FAST), torch.no_grad():
             assert rel(other.apply(x), ref()) < WINO_REL
+
+
+def test_small_calls_transform_on_the_second_call(everywhere, calls, monkeypatch):
+    """A call too small to pay for the filter transform runs direct the first time a weight is seen."""
+    monkeypatch.setattr(winograd, "FIRST_CALL_PIXELS", 3 * 8 * 8 + 1)
+    conv = CausalConv3d(16, 16)
+    small, big = torch.randn(1, 16, 5, 8, 8), torch.randn(1, 16, 5, 8, 9)  # 3x8x8 and 3x8x9 output pixels
+    with use(FAST), torch.no_grad():
+        first = conv.apply(small)
+        assert not calls and conv.winograd.filters is None
+        second = conv.apply(small)
+        assert len(calls) == 1 and conv.winograd.filters is not None
+        conv.weight.mul_(0.5)  # new filters: the rule starts over
+        conv.apply(small)
+        assert len(calls) == 1
+        fresh = CausalConv3d(16, 16)
+        fresh.apply(big)  # big enough on its first call
+        assert len(calls) == 2
+    assert rel(second, first.double()) < WINO_REL
 
 
 def test_whole_vae_with_and_without_winograd(everywhere, calls, monkeypatch):

@@ -56,7 +56,8 @@ def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, str
     h_out = _out_size(x.shape[3] + 2 * ph, kh, sh)
     tile_rows = conv_tile_rows(_out_size(x.shape[4] + 2 * pw, weight.shape[4], stride[2]), frame_rows or h_out)
     if tile_rows is None or not x.numel():
-        if cache is not None and x.numel() and winograd.applies(x, weight, bias, stride, padding):
+        if cache is not None and x.numel() and winograd.applies(x, weight, bias, stride, padding) \
+                and cache.ready(weight, (x.shape[2] - 2) * h_out * (x.shape[4] + 2 * pw - 2)):
             return winograd.conv3d(x, weight, bias, padding, cache)
         return _conv_call(x, weight, bias, stride, padding)
     if pt or ph:

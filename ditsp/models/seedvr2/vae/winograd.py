@@ -44,7 +44,13 @@ BAND_BYTES = 12 << 20
 # far from peak. So both widths must be wide, and the narrower the input, the more GEMM rows (output
 # frames x 4x4 tiles per frame) and output frames (each reads three transformed input frames) it needs.
 MIN_COUT = 128
-RULES = ((512, 1, 1), (256, 32, 1), (128, 128, 3))  # (input channels at least, then GEMM rows, output frames)
+RULES = ((256, 32, 1), (128, 128, 3))  # (input channels at least, then GEMM rows, output frames)
+# A conv's filters are transformed (and packed) on its first Winograd-eligible call when that call alone
+# saves about what this costs: ~1.5 us per (in, out) channel pair on this VM, mostly page faults of the
+# new 4x-weight-sized buffers, against ~0.2 ns per pair per output pixel saved. Smaller calls run direct
+# once and transform on the conv's second call, so a conv that runs once (a short one-shot clip) never
+# pays it. Counted in output frames x rows x columns.
+FIRST_CALL_PIXELS = 8192
 
 TILE = 4  # outputs per tile side: F(4x4, 3x3) reads 6x6 input tiles
 _N = TILE + 2
@@ -118,15 +124,30 @@ class WeightCache:
     Holds no reference to the weight; copying or pickling a module carries an empty cache.
     """
 
-    __slots__ = ("key", "filters")
+    __slots__ = ("key", "filters", "seen")
 
     def __init__(self):
-        self.key = None
-        self.filters = None
+        self.key = self.filters = self.seen = None
+
+    @staticmethod
+    def _key(weight: torch.Tensor) -> tuple:
+        return weight.data_ptr(), weight._version, tuple(weight.shape), tuple(weight.stride())
+
+    def ready(self, weight: torch.Tensor, pixels: int) -> bool:
+        """Whether a call with ``pixels`` output pixels (frames x rows x cols) should run by Winograd now.
+
+        Yes when the filters of this weight are cached, when the call is big enough to pay for
+        transforming them (:data:`FIRST_CALL_PIXELS`), or when the same weight was seen before.
+        """
+        key = self._key(weight)
+        if (self.key == key and self.filters is not None) or pixels >= FIRST_CALL_PIXELS or self.seen == key:
+            return True
+        self.seen = key
+        return False
 
     def get(self, weight: torch.Tensor, rows: int) -> list[list[torch.Tensor]]:
         """The 36 x 3 filter matrices (C_out, C_in) of ``weight``, packed for oneDNN GEMMs of ``rows`` rows."""
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape), tuple(weight.stride()))
+        key = self._key(weight)
         if self.key != key or self.filters is None:
             self.filters = None  # free the old filters before building the new ones
             self.filters = _filters(weight, rows)
@@ -134,7 +155,7 @@ class WeightCache:
         return self.filters
 
     def clear(self) -> None:
-        self.key = self.filters = None
+        self.key = self.filters = self.seen = None
 
     def __reduce__(self):  # copies and pickles start empty: the filters follow the copy's own weight
         return (WeightCache, ())
