@@ -5,12 +5,14 @@ float64, when it runs (fast policy, float32 CPU inference, wide convs, the env s
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from ditsp.distributed.comm import Comm
 from ditsp.fixed_shape import DETERMINISTIC, FAST, use
 from ditsp.models.seedvr2.vae import TINY, winograd
 from ditsp.models.seedvr2.vae.fixtures import seeded_vae
@@ -237,3 +239,39 @@ def test_whole_vae_with_and_without_winograd(everywhere, calls, monkeypatch):
     for a, b in zip(out["1"], out["0"]):
         assert a.shape == b.shape
         assert 0 < rel(a, b.double()) < VAE_REL
+
+
+def _small_vae():
+    return seeded_vae(TINY.with_widths((32, 64, 64, 64), groups=8))
+
+
+def _clip():
+    return torch.rand(1, 3, 5, 40, 24, generator=torch.Generator().manual_seed(1)) * 2 - 1
+
+
+def height_slabs_with_winograd(ctx):
+    """A rank: the small VAE in height slabs, fast policy, Winograd for every 3x3x3 conv (each slab's own tiles)."""
+    torch.set_num_threads(1)
+    saved = winograd.RULES, winograd.MIN_COUT, winograd.FIRST_CALL_PIXELS, os.environ.pop(winograd.ENV, None)
+    winograd.RULES, winograd.MIN_COUT, winograd.FIRST_CALL_PIXELS = ((1, 1, 1),), 1, 0
+    try:
+        pv = ParallelVAE(_small_vae(), Comm(ctx.group))
+        with use(FAST), torch.no_grad():
+            z = pv.encode(_clip(), mode="height").posterior.mean
+            return z, pv.decode(z, mode="height")
+    finally:  # pool ranks outlive the test
+        winograd.RULES, winograd.MIN_COUT, winograd.FIRST_CALL_PIXELS = saved[:3]
+        if saved[3] is not None:
+            os.environ[winograd.ENV] = saved[3]
+
+
+def test_height_slabs_with_winograd_match_one_device_direct(clusters, monkeypatch):
+    """SP=2 height slabs tile each slab from its own first row: within the whole-VAE tolerance of one device."""
+    monkeypatch.setenv(winograd.ENV, "0")
+    pv = ParallelVAE(_small_vae(), None)
+    with use(FAST), torch.no_grad():
+        z = pv.encode(_clip(), mode="replicated").posterior.mean
+        ref = (z, pv.decode(z, mode="replicated"))
+    z2, dec2 = clusters(2).run(height_slabs_with_winograd)[0]
+    assert 0 < rel(z2, ref[0].double()) < VAE_REL
+    assert 0 < rel(dec2, ref[1].double()) < VAE_REL

@@ -2,14 +2,14 @@
 
 The released-width VAE (seeded weights) encodes then decodes a ``--clip`` T,H,W float32 clip under the
 fast kernel policy, with ``DITSP_VAE_WINOGRAD`` 0 and 1 alternating in one process (``--repeats``
-rounds after a warm-up of each, which also transforms every conv's filters once): process CPU seconds,
-the minimum per side, their ratio, and the largest difference of the latent mean and of the decoded
-clip relative to the direct run's scale. The first two Winograd runs are timed apart from the steady
-state: they transform and pack the filters (a conv too small to pay for that on its first call does
-it on its second, :data:`~ditsp.models.seedvr2.vae.winograd.FIRST_CALL_PIXELS`). Then every conv shape the run sent to Winograd,
-on random inputs: direct vs Winograd interleaved (minimum over ``--repeats``; a shape run more than
-once per clip counts each time in the totals), and each one's error against a float64 conv next to
-the direct conv's own. Results: ``benchmarks/results/vae-winograd.md`` and ``vae-winograd.json``.
+rounds after warm-up runs): process CPU seconds, the minimum per side, their ratio, and the largest
+difference of the latent mean and of the decoded clip relative to the direct run's scale. The first
+two Winograd runs are timed apart from the steady state: they transform and pack the filters (a conv
+too small to pay for that on its first call does it on its second,
+:data:`~ditsp.models.seedvr2.vae.winograd.FIRST_CALL_PIXELS`). Then every conv shape the run sent to
+Winograd, on random inputs: direct vs Winograd interleaved (minimum over ``--repeats``; a shape run
+more than once per clip counts each time in the totals), and each one's error against a float64 conv
+next to the direct conv's own. Results: ``benchmarks/results/vae-winograd.md`` and ``vae-winograd.json``.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def measure(clip, repeats: int, widths=None, shapes: bool = True) -> dict:
     whole = {"clip": list(clip), "widths": list(cfg.widths), "direct_cpu_s": direct, "winograd_cpu_s": wino,
              "ratio": wino / direct, "speedup": direct / wino, "direct_runs_s": times["0"],
              "winograd_runs_s": times["1"], "first_direct_cpu_s": direct_first,
-             "first_winograd_cpu_s": wino_first, "second_winograd_cpu_s": wino_second, "filter_cache_gib": cache_bytes / 2 ** 30,
+             "first_winograd_cpu_s": wino_first, "second_winograd_cpu_s": wino_second,
+             "filter_cache_gib": cache_bytes / 2 ** 30,
              "latent_rel_diff": _rel(outs["1"][0], outs["0"][0]), "decoded_rel_diff": _rel(outs["1"][1], outs["0"][1])}
     rows = []
     if shapes:

@@ -3,12 +3,13 @@
 A direct 3x3x3 conv spends 27 multiply-adds per output and input channel; oneDNN runs it near the
 core's peak, so the only way to be faster is to do fewer of them. Winograd's minimal filtering
 computes a 4x4 output tile of a 3x3 filter from a 6x6 input tile with 36 products instead of
-144: each frame's input tiles and the filter are transformed (``B^T d B``, ``G g G^T``), the
+144: each frame's input tiles and the filters are transformed (``B^T d B``, ``G g G^T``), the
 36 transformed positions are 36 independent channel GEMMs, and the output transform
-(``A^T m A``) folds them back. Time stays direct: each of the 36 positions runs one GEMM per
-temporal tap, the taps summed, so a conv is 108 GEMMs of (output frames x tiles) rows that do a
-quarter of the direct conv's multiplies. On one AVX-512 core that is 1.7-3.4x faster per conv for
-the VAE's 128-512-channel layers (``benchmarks/results/vae-winograd.md``).
+(``A^T m A``) folds them back. Time stays direct: each position runs one GEMM per temporal tap,
+the taps summed, so a conv is 108 GEMMs that do a quarter of the direct conv's multiplies. On one
+AVX-512 core the VAE's convs run 1.3-2.9x faster (more the wider they are) and the released VAE's
+encode + decode of a 5x64x64 clip takes 0.60x the CPU time (``ditsp bench winograd``,
+``benchmarks/results/vae-winograd.md``).
 
 The price is precision: the transforms' coefficients (up to 8 in ``A^T``, 5 in ``B^T``) grow the
 float32 rounding error to ~1e-5 of the output's scale, against ~5e-7 for the direct conv
@@ -18,10 +19,13 @@ across SP degrees (:func:`.layers.conv3d` calls this from its fast branch only).
 
 Layout. The activation is (C, T, H, W); the transforms run on a channels-last copy so that every
 slice they add is a run of channels (vectorised), and a GEMM's rows are (frame, tile) with the
-channels contiguous, so the temporal taps are row offsets into one matrix (no copies). The
-filters' transforms are computed once per weight, packed for oneDNN and kept in a
-:class:`WeightCache` on the conv module (4x the filter's bytes: 3.6 GiB for the released VAE's
-eligible convs), recomputed when the weight changes (its storage or its version counter).
+channels contiguous, so the temporal taps are row offsets into one matrix (no copies). All of it
+runs in bands of tile rows of about :data:`BAND_BYTES` of transformed input, which keeps the
+buffers cache-sized and reused. The filters' transforms are packed for oneDNN and kept in a
+:class:`WeightCache` on the conv module, recomputed when the weight changes (its storage or its
+version counter): 4x the filter's bytes (1.6 GiB for the convs a 5x64x64 clip sends here, 3.6 GiB
+for all of the released VAE's eligible convs) and, on this VM, ~1.5 us per channel pair to build,
+which is why a small call defers it to the conv's second call (:data:`FIRST_CALL_PIXELS`).
 
 ``DITSP_VAE_WINOGRAD=0`` turns it off (:data:`SETTINGS`).
 """
@@ -217,7 +221,10 @@ def _channels_last(x: torch.Tensor, top: int, rows: int, left: int, tw: int) -> 
 
 
 def _input_transform(xc: torch.Tensor, th: int, tw: int) -> torch.Tensor:
-    """(T, 4 th + 2, 4 tw + 2, C) -> V (36, T * th * tw, C): ``B^T d B`` of every 6x6 tile, rows (frame, tile row, tile col)."""
+    """(T, 4 th + 2, 4 tw + 2, C) -> V (36, T * th * tw, C): ``B^T d B`` of every 6x6 tile.
+
+    V's rows are (frame, tile row, tile col), so a temporal tap is an offset of th * tw rows.
+    """
     t, hp, _, c = xc.shape
     z = xc.new_empty(_N, t, hp, tw, c)
     _input_pass(xc, 2, tw, z)  # along columns: z[j] = (t, rows, tile col, c)
