@@ -98,6 +98,20 @@ def test_matches_float64_within_bound(cin, cout, t_in, h, w, ph, pw, batch):
                                                                        padding=(0, ph, pw))) < WINO_REL
 
 
+def test_exact_fit_and_non_contiguous_inputs():
+    """No padding at all (10 = 4 x 2 + 2: the tiles cover the input exactly), channels-last and strided inputs."""
+    x, weight, bias = case(16, 8, 4, 10, 10)
+    ref = F.conv3d(x.double(), weight.double(), bias.double())
+    assert rel(winograd.conv3d(x, weight, bias, (0, 0, 0)), ref) < WINO_REL
+    assert rel(winograd.conv3d(x, weight, bias, (0, 0, 0), band_bytes=1), ref) < WINO_REL
+    ref = F.conv3d(x.double(), weight.double(), bias.double(), padding=(0, 1, 1))
+    cl = x.contiguous(memory_format=torch.channels_last_3d)
+    assert rel(winograd.conv3d(cl, weight, bias, (0, 1, 1)), ref) < WINO_REL
+    wide = torch.stack([x, -x], -1).flatten(-2)[..., ::2]  # every other column of a wider tensor: x, strided
+    assert not wide.is_contiguous()
+    assert rel(winograd.conv3d(wide, weight, bias, (0, 1, 1)), ref) < WINO_REL
+
+
 def test_weight_transform_matches_its_definition():
     g = torch.tensor(winograd._G, dtype=torch.float64)
     _, weight, _ = case(24, 40, 3, 4, 4)

@@ -216,7 +216,7 @@ def _channels_last(x: torch.Tensor, top: int, rows: int, left: int, tw: int) -> 
     c, t, h, w = x.shape
     wp = TILE * tw + 2
     lo, hi = max(top, 0), min(top + rows, h)
-    x = F.pad(x[:, :, lo:hi], (left, wp - w - left, lo - top, top + rows - hi))
+    x = F.pad(x[:, :, lo:hi], (left, wp - w - left, lo - top, top + rows - hi)).contiguous()  # (no-op: pad copies)
     return x.view(c, t * rows * wp).t().contiguous().view(t, rows, wp, c)  # a blocked transpose
 
 
