@@ -50,7 +50,7 @@ def everywhere(monkeypatch):
     """Winograd for every 3x3x3 conv, however narrow (the thresholds are a speed choice, not a correctness one)."""
     monkeypatch.setattr(winograd, "RULES", ((1, 1, 1),))
     monkeypatch.setattr(winograd, "MIN_COUT", 1)
-    monkeypatch.setattr(winograd, "FIRST_CALL_PIXELS", 0)  # transform on the first call, however small
+    monkeypatch.setattr(winograd, "BUILD_PIXELS", 0)  # transform on the first call, however small
     monkeypatch.delenv(winograd.ENV, raising=False)
 
 
@@ -219,23 +219,25 @@ def test_filter_cache_follows_the_weight(everywhere):
             assert rel(other.apply(x), ref()) < WINO_REL
 
 
-def test_small_calls_transform_on_the_second_call(everywhere, calls, monkeypatch):
-    """A call too small to pay for the filter transform runs direct the first time a weight is seen."""
-    monkeypatch.setattr(winograd, "FIRST_CALL_PIXELS", 3 * 8 * 8 + 1)
+def test_small_convs_run_direct_until_their_calls_pay_for_the_transform(everywhere, calls, monkeypatch):
+    """The filters are built once a weight's calls reach BUILD_PIXELS output pixels; direct before that."""
+    monkeypatch.setattr(winograd, "BUILD_PIXELS", 3 * 3 * 8 * 8)
     conv = CausalConv3d(16, 16)
-    small, big = torch.randn(1, 16, 5, 8, 8), torch.randn(1, 16, 5, 8, 9)  # 3x8x8 and 3x8x9 output pixels
+    small, big = torch.randn(1, 16, 5, 8, 8), torch.randn(1, 16, 11, 8, 8)  # 3 and 9 frames of 8x8 out
     with use(FAST), torch.no_grad():
         first = conv.apply(small)
-        assert not calls and conv.winograd.filters is None
-        second = conv.apply(small)
-        assert len(calls) == 1 and conv.winograd.filters is not None
-        conv.weight.mul_(0.5)  # new filters: the rule starts over
         conv.apply(small)
-        assert len(calls) == 1
-        fresh = CausalConv3d(16, 16)
-        fresh.apply(big)  # big enough on its first call
+        assert not calls and conv.winograd.filters is None
+        third = conv.apply(small)  # 3 x 192 pixels: built now
+        assert len(calls) == 1 and conv.winograd.filters is not None
+        conv.apply(small)
         assert len(calls) == 2
-    assert rel(second, first.double()) < WINO_REL
+        conv.weight.mul_(0.5)  # new filters: the count starts over
+        conv.apply(small)
+        assert len(calls) == 2
+        CausalConv3d(16, 16).apply(big)  # big enough on its first call
+        assert len(calls) == 3
+    assert rel(third, first.double()) < WINO_REL
 
 
 def test_whole_vae_with_and_without_winograd(everywhere, calls, monkeypatch):
@@ -266,15 +268,15 @@ def _clip():
 def height_slabs_with_winograd(ctx):
     """A rank: the small VAE in height slabs, fast policy, Winograd for every 3x3x3 conv (each slab's own tiles)."""
     torch.set_num_threads(1)
-    saved = winograd.RULES, winograd.MIN_COUT, winograd.FIRST_CALL_PIXELS, os.environ.pop(winograd.ENV, None)
-    winograd.RULES, winograd.MIN_COUT, winograd.FIRST_CALL_PIXELS = ((1, 1, 1),), 1, 0
+    saved = winograd.RULES, winograd.MIN_COUT, winograd.BUILD_PIXELS, os.environ.pop(winograd.ENV, None)
+    winograd.RULES, winograd.MIN_COUT, winograd.BUILD_PIXELS = ((1, 1, 1),), 1, 0
     try:
         pv = ParallelVAE(_small_vae(), Comm(ctx.group))
         with use(FAST), torch.no_grad():
             z = pv.encode(_clip(), mode="height").posterior.mean
             return z, pv.decode(z, mode="height")
     finally:  # pool ranks outlive the test
-        winograd.RULES, winograd.MIN_COUT, winograd.FIRST_CALL_PIXELS = saved[:3]
+        winograd.RULES, winograd.MIN_COUT, winograd.BUILD_PIXELS = saved[:3]
         if saved[3] is not None:
             os.environ[winograd.ENV] = saved[3]
 

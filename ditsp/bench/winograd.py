@@ -3,13 +3,13 @@
 The released-width VAE (seeded weights) encodes then decodes a ``--clip`` T,H,W float32 clip under the
 fast kernel policy, with ``DITSP_VAE_WINOGRAD`` 0 and 1 alternating in one process (``--repeats``
 rounds after warm-up runs): process CPU seconds, the minimum per side, their ratio, and the largest
-difference of the latent mean and of the decoded clip relative to the direct run's scale. The first
-two Winograd runs are timed apart from the steady state: they transform and pack the filters (a conv
-too small to pay for that on its first call does it on its second,
-:data:`~ditsp.models.seedvr2.vae.winograd.FIRST_CALL_PIXELS`). Then every conv shape the run sent to
-Winograd, on random inputs: direct vs Winograd interleaved (minimum over ``--repeats``; a shape run
-more than once per clip counts each time in the totals), and each one's error against a float64 conv
-next to the direct conv's own. Results: ``benchmarks/results/vae-winograd.md`` and ``vae-winograd.json``.
+difference of the latent mean and of the decoded clip relative to the direct run's scale. The warm-up
+Winograd runs are timed apart from the steady state: they transform and pack the filters, each conv
+once its calls pay for it (:data:`~ditsp.models.seedvr2.vae.winograd.BUILD_PIXELS`), and run until
+every conv that qualifies has them. Then every conv shape the steady-state run sent to Winograd, on
+random inputs: direct vs Winograd interleaved (minimum over ``--repeats``; a shape run more than once
+per clip counts each time in the totals), and each one's error against a float64 conv next to the
+direct conv's own. Results: ``benchmarks/results/vae-winograd.md`` and ``vae-winograd.json``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _cpu(fn) -> tuple[float, object]:
     return time.process_time() - c0, out
 
 
-def measure(clip, repeats: int, widths=None, shapes: bool = True) -> dict:
+def measure(clip, repeats: int, widths=None, shapes: bool = True, max_warm: int = 20) -> dict:
     """Whole-VAE and per-shape timings (see the module docstring); ``widths``: other than the released ones."""
     import torch.nn.functional as F
 
@@ -66,14 +66,23 @@ def measure(clip, repeats: int, widths=None, shapes: bool = True) -> dict:
             z = pv.encode(x).posterior.mean
             return z, pv.decode(z)
 
+    caches = [m.winograd for m in vae.modules() if isinstance(getattr(m, "winograd", None), winograd.WeightCache)]
+
+    def built() -> list:
+        return [m for m in vae.modules() if getattr(getattr(m, "winograd", None), "filters", None) is not None]
+
+    def pending() -> bool:  # a conv still running direct until its calls pay for its filters
+        return any(c.seen is not None and (c.filters is None or c.key != c.seen) for c in caches)
+
     before = os.environ.get(winograd.ENV)
     try:
         direct_first, _ = _cpu(lambda: run("0"))
         winograd.conv3d = spy
-        try:
-            wino_first, _ = _cpu(lambda: run("1"))  # transforms the filters of the convs big enough to pay for it
-            seen.clear()
-            wino_second, _ = _cpu(lambda: run("1"))  # and of the rest, now run a second time
+        warm = []
+        try:  # Winograd runs until every conv that qualifies has built its filters (once its calls paid for it)
+            while len(warm) < max_warm and (not warm or pending()):
+                seen.clear()
+                warm.append(_cpu(lambda: run("1"))[0])
         finally:
             winograd.conv3d = real
         calls = dict(seen)
@@ -89,14 +98,11 @@ def measure(clip, repeats: int, widths=None, shapes: bool = True) -> dict:
         else:
             os.environ[winograd.ENV] = before
     direct, wino = min(times["0"]), min(times["1"])
-    # 36 float32 positions per 9 taps of every filter that was transformed
-    cache_bytes = sum(16 * m.weight.numel() for m in vae.modules()
-                      if getattr(getattr(m, "winograd", None), "filters", None) is not None)
+    cache_bytes = sum(16 * m.weight.numel() for m in built())  # 36 float32 positions per 9 taps of each filter
     whole = {"clip": list(clip), "widths": list(cfg.widths), "direct_cpu_s": direct, "winograd_cpu_s": wino,
              "ratio": wino / direct, "speedup": direct / wino, "direct_runs_s": times["0"],
              "winograd_runs_s": times["1"], "first_direct_cpu_s": direct_first,
-             "first_winograd_cpu_s": wino_first, "second_winograd_cpu_s": wino_second,
-             "filter_cache_gib": cache_bytes / 2 ** 30,
+             "warmup_winograd_runs_s": warm, "filter_cache_gib": cache_bytes / 2 ** 30,
              "latent_rel_diff": _rel(outs["1"][0], outs["0"][0]), "decoded_rel_diff": _rel(outs["1"][1], outs["0"][1])}
     rows = []
     if shapes:
@@ -130,11 +136,13 @@ def format_report(res: dict) -> list[str]:
     lines = [f"VAE widths {'/'.join(map(str, w['widths']))}, encode + decode of a {clip} float32 clip, fast policy, "
              "one thread; process CPU seconds, min over the interleaved runs.", "",
              "| direct CPU s | Winograd CPU s | Winograd / direct | speedup | latent max rel. diff | "
-             "decoded max rel. diff | first runs: direct / Winograd 1st / 2nd CPU s | filter cache GiB |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+             "decoded max rel. diff | first run: direct / Winograd CPU s | Winograd runs until every filter is "
+             "built: CPU s each | filter cache GiB |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
              f"| {w['direct_cpu_s']:.2f} | {w['winograd_cpu_s']:.2f} | {w['ratio']:.3f} | {w['speedup']:.2f}x | "
              f"{w['latent_rel_diff']:.1e} | {w['decoded_rel_diff']:.1e} | {w['first_direct_cpu_s']:.2f} / "
-             f"{w['first_winograd_cpu_s']:.2f} / {w['second_winograd_cpu_s']:.2f} | {w['filter_cache_gib']:.2f} |"]
+             f"{w['warmup_winograd_runs_s'][0]:.2f} | {' '.join(f'{t:.2f}' for t in w['warmup_winograd_runs_s'])} | "
+             f"{w['filter_cache_gib']:.2f} |"]
     if res["shapes"]:
         lines += ["", "Every conv shape the run sent to Winograd (random inputs; errors vs a float64 conv, relative "
                   "to its max):", "",

@@ -7,8 +7,8 @@ computes a 4x4 output tile of a 3x3 filter from a 6x6 input tile with 36 product
 36 transformed positions are 36 independent channel GEMMs, and the output transform
 (``A^T m A``) folds them back. Time stays direct: each position runs one GEMM per temporal tap,
 the taps summed, so a conv is 108 GEMMs that do a quarter of the direct conv's multiplies. On one
-AVX-512 core the VAE's convs run 1.3-2.9x faster (more the wider they are) and the released VAE's
-encode + decode of a 5x64x64 clip takes 0.60x the CPU time (``ditsp bench winograd``,
+AVX-512 core the VAE's convs run 1.5-2.8x faster (more the wider they are) and the released VAE's
+encode + decode of a 5x64x64 clip takes 0.59x the CPU time (``ditsp bench winograd``,
 ``benchmarks/results/vae-winograd.md``).
 
 The price is precision: the transforms' coefficients (up to 8 in ``A^T``, 5 in ``B^T``) grow the
@@ -25,7 +25,8 @@ buffers cache-sized and reused. The filters' transforms are packed for oneDNN an
 :class:`WeightCache` on the conv module, recomputed when the weight changes (its storage or its
 version counter): 4x the filter's bytes (1.6 GiB for the convs a 5x64x64 clip sends here, 3.6 GiB
 for all of the released VAE's eligible convs) and, on this VM, ~1.5 us per channel pair to build,
-which is why a small call defers it to the conv's second call (:data:`FIRST_CALL_PIXELS`).
+which is why a conv builds them only once its calls have done about as much direct work
+(:data:`BUILD_PIXELS`).
 
 ``DITSP_VAE_WINOGRAD=0`` turns it off (:data:`SETTINGS`).
 """
@@ -49,12 +50,13 @@ BAND_BYTES = 12 << 20
 # frames x 4x4 tiles per frame) and output frames (each reads three transformed input frames) it needs.
 MIN_COUT = 128
 RULES = ((256, 32, 1), (128, 128, 3))  # (input channels at least, then GEMM rows, output frames)
-# A conv's filters are transformed (and packed) on its first Winograd-eligible call when that call alone
-# saves about what this costs: ~1.5 us per (in, out) channel pair on this VM, mostly page faults of the
-# new 4x-weight-sized buffers, against ~0.2 ns per pair per output pixel saved. Smaller calls run direct
-# once and transform on the conv's second call, so a conv that runs once (a short one-shot clip) never
-# pays it. Counted in output frames x rows x columns.
-FIRST_CALL_PIXELS = 8192
+# A conv's filters are transformed (and packed) once its Winograd-eligible calls, this one included, reach
+# this many output pixels (frames x rows x columns); until then it runs direct. Transforming costs ~1.5 us
+# per (in, out) channel pair on this VM (mostly page faults of the new 4x-weight-sized buffers) and saves
+# ~0.2 ns per pair per output pixel: a big call builds at once and pays it back by itself, a small conv
+# first runs direct for about what the transform costs (so a short session never pays more than twice the
+# best choice in hindsight), and a conv that runs once in a small one-shot clip never pays it.
+BUILD_PIXELS = 8192
 
 TILE = 4  # outputs per tile side: F(4x4, 3x3) reads 6x6 input tiles
 _N = TILE + 2
@@ -128,10 +130,11 @@ class WeightCache:
     Holds no reference to the weight; copying or pickling a module carries an empty cache.
     """
 
-    __slots__ = ("key", "filters", "seen")
+    __slots__ = ("key", "filters", "seen", "pixels")
 
     def __init__(self):
         self.key = self.filters = self.seen = None
+        self.pixels = 0
 
     @staticmethod
     def _key(weight: torch.Tensor) -> tuple:
@@ -140,14 +143,16 @@ class WeightCache:
     def ready(self, weight: torch.Tensor, pixels: int) -> bool:
         """Whether a call with ``pixels`` output pixels (frames x rows x cols) should run by Winograd now.
 
-        Yes when the filters of this weight are cached, when the call is big enough to pay for
-        transforming them (:data:`FIRST_CALL_PIXELS`), or when the same weight was seen before.
+        Yes when the filters of this weight are cached, or when this weight's calls so far, this one
+        included, reach :data:`BUILD_PIXELS` (the caller then builds them); no otherwise (run direct).
         """
         key = self._key(weight)
-        if (self.key == key and self.filters is not None) or pixels >= FIRST_CALL_PIXELS or self.seen == key:
+        if self.key == key and self.filters is not None:
             return True
-        self.seen = key
-        return False
+        if self.seen != key:
+            self.seen, self.pixels = key, 0
+        self.pixels += pixels
+        return self.pixels >= BUILD_PIXELS
 
     def get(self, weight: torch.Tensor, rows: int) -> list[list[torch.Tensor]]:
         """The 36 x 3 filter matrices (C_out, C_in) of ``weight``, packed for oneDNN GEMMs of ``rows`` rows."""
@@ -160,6 +165,7 @@ class WeightCache:
 
     def clear(self) -> None:
         self.key = self.filters = self.seen = None
+        self.pixels = 0
 
     def __reduce__(self):  # copies and pickles start empty: the filters follow the copy's own weight
         return (WeightCache, ())
