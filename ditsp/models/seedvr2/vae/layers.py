@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ....fixed_shape import conv_tile_rows, plain_linear
+from . import winograd
 from .config import VaeConfig
 
 
@@ -37,7 +38,8 @@ _MKLDNN_DTYPES = (torch.float32,) + ((torch.bfloat16,) if _MKLDNN and torch.ops.
 
 
 def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride=(1, 1, 1),
-           padding=(0, 0, 0), frame_rows: int | None = None) -> torch.Tensor:
+           padding=(0, 0, 0), frame_rows: int | None = None,
+           cache: winograd.WeightCache | None = None) -> torch.Tensor:
     """``F.conv3d`` whose calls have a shape that does not depend on the piece around a pixel.
 
     Under the deterministic kernel-shape policy (:mod:`ditsp.fixed_shape`) every call computes one
@@ -46,13 +48,17 @@ def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, str
     a piece of whole frames may leave it to this call's own output rows): time and row padding are made explicit first, and a tile past the last rows is
     zero-padded in an aligned staging buffer. So a pixel's value is the same whether its piece of
     the clip is the whole clip, a chunk of frames, a time shard or a height slab, on any CPU
-    kernels. Under the fast policy it is one call over the piece.
+    kernels. Under the fast policy it is one call over the piece, by Winograd
+    (:mod:`.winograd`) where ``cache`` (the conv's transformed filters) is given and the call qualifies.
     """
     pt, ph, pw = padding
     (kt, kh), (st, sh) = weight.shape[2:4], stride[:2]
     h_out = _out_size(x.shape[3] + 2 * ph, kh, sh)
     tile_rows = conv_tile_rows(_out_size(x.shape[4] + 2 * pw, weight.shape[4], stride[2]), frame_rows or h_out)
     if tile_rows is None or not x.numel():
+        if cache is not None and x.numel() and winograd.applies(x, weight, bias, stride, padding) \
+                and cache.ready(weight, (x.shape[2] - 2) * h_out * (x.shape[4] + 2 * pw - 2)):
+            return winograd.conv3d(x, weight, bias, padding, cache)
         return _conv_call(x, weight, bias, stride, padding)
     if pt or ph:
         x = F.pad(x, (0, 0, ph, ph, pt, pt))
@@ -118,6 +124,7 @@ class CausalConv3d(nn.Module):
         self.kernel, self.stride, self.pad = tuple(kernel), tuple(stride), pad
         self.weight = nn.Parameter(torch.empty(cout, cin, *self.kernel))
         self.bias = nn.Parameter(torch.empty(cout))
+        self.winograd = winograd.WeightCache()  # the fast policy's transformed filters, kept with the conv
         fan_in = cin * self.kernel[0] * self.kernel[1] * self.kernel[2]
         nn.init.normal_(self.weight, std=fan_in ** -0.5)
         nn.init.zeros_(self.bias)
@@ -147,6 +154,7 @@ class CausalConv3d(nn.Module):
         ``frame_rows``: the whole frame's output rows when ``x`` is a height slab (see :func:`conv3d`).
         """
         weight = self.weight if weight is None else weight
+        w = weight.to(x.dtype)
         top, bot = (0, 0) if rows_padded else self.rows_pad
         left, right = self.cols_pad
         if top == bot and left == right:
@@ -154,8 +162,8 @@ class CausalConv3d(nn.Module):
         else:
             x = F.pad(x, (left, right, top, bot))
             pad = (0, 0, 0)
-        return conv3d(x, weight.to(x.dtype), self.bias.to(x.dtype), stride=self.stride, padding=pad,
-                      frame_rows=frame_rows)
+        return conv3d(x, w, self.bias.to(x.dtype), stride=self.stride, padding=pad, frame_rows=frame_rows,
+                      cache=self.winograd if w is self.weight else None)
 
     def forward(self, x: torch.Tensor, ex) -> torch.Tensor:
         return ex.conv(self, x)
