@@ -15,14 +15,13 @@ deterministic policy's fixed-shape tiles (:mod:`ditsp.fixed_shape`; a 768-row
 oneDNN call is position-free under the AVX-512 and AVX2 kernel sets, which
 ``ditsp doctor`` probes on any machine). Results differ from the BLAS's in
 summation order only (about 5e-7 of the output's scale). ``DITSP_CPU_GEMM=blas``
-turns the route off; a oneDNN build that refuses a call turns it off for the
-process, with one warning.
+turns the route off; a call oneDNN refuses runs on the BLAS (which raises
+``F.linear``'s own error for operands that do not fit).
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Iterator
@@ -110,13 +109,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    global _op
     if _op is None:
         return F.linear(x, weight, bias)
     try:
         return _op(x.contiguous(), weight.contiguous(), bias, "none", [], "")
-    except RuntimeError as e:
-        _op = None
-        warnings.warn(f"oneDNN refused a float32 linear ({str(e).splitlines()[0]}); "
-                      f"float32 linears use the BLAS from now on", RuntimeWarning, stacklevel=2)
+    except RuntimeError:
+        # oneDNN refused this call: operands F.linear rejects too (it raises its own error) or a shape this
+        # build cannot run (it computes it). Decided per call, never for the process, so every process of a
+        # group takes the same route for the same call and the deterministic tiles stay equal across ranks.
         return F.linear(x, weight, bias)

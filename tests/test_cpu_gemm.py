@@ -89,3 +89,15 @@ def test_the_environment_chooses_the_route_and_a_bad_value_is_one_clear_error():
     assert _route_in_subprocess("blas").stdout.strip() == "blas"
     bad = _route_in_subprocess("mkl")
     assert bad.returncode != 0 and "DITSP_CPU_GEMM='mkl': expected one of onednn, blas" in bad.stderr
+
+
+@onednn
+def test_operands_that_do_not_fit_raise_f_linear_error_and_leave_the_route_on():
+    x, w = torch.randn(4, 64), torch.randn(96, 63)
+    with pytest.raises(RuntimeError) as ours:
+        cpu_gemm.linear(x, w)
+    with pytest.raises(RuntimeError) as theirs:
+        F.linear(x, w)
+    assert str(ours.value) == str(theirs.value)
+    # one bad call does not move later calls off oneDNN (ranks that saw it would differ from those that did not)
+    assert cpu_gemm.route() == "onednn" and cpu_gemm.applies(x, torch.randn(96, 64), None)
