@@ -14,6 +14,14 @@ BENCHMARKS = ("attention", "forward", "planners", "determinism", "packed", "cros
               "sparse", "transport", "overlap", "diffusers", "weights", "weights_sp", "speed", "winograd", "job")
 
 
+def declare(sub, name: str, help: str, description: str | None, arguments, main) -> argparse.ArgumentParser:
+    """One benchmark's subcommand: ``arguments(p)`` adds its options, ``main(args, parser)`` runs it."""
+    p = sub.add_parser(name, help=help, description=description)
+    arguments(p)
+    p.set_defaults(func=main)
+    return p
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``bench`` command group to the top-level subparsers ``sub``."""
     import importlib

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from ..argtypes import positive_int, positive_int_list
+from . import declare
 
 STAGES = ("read", "vae_encode", "dit", "vae_decode", "color_fix", "write")
 # Where the wall time goes, in order: launch to the last rank running the job (interpreter, imports,
@@ -123,11 +124,8 @@ def _arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("job", help="ditsp upscale end to end at each SP degree, stage by stage",
-                       description=__doc__)
-    _arguments(p)
-    p.set_defaults(func=main)
-    return p
+    return declare(sub, "job", "ditsp upscale end to end at each SP degree, stage by stage",
+                   __doc__, _arguments, main)
 
 
 def main(args=None, parser=None) -> int:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..argtypes import positive_int, positive_int_list
+from . import declare
 from ..dtypes import DTYPES
 
 
@@ -182,11 +183,8 @@ def _arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("speed", help="per-op profile; eager vs --compile; one device vs SP (DiT and VAE)",
-                       description=__doc__)
-    _arguments(p)
-    p.set_defaults(func=main)
-    return p
+    return declare(sub, "speed", "per-op profile; eager vs --compile; one device vs SP (DiT and VAE)",
+                   __doc__, _arguments, main)
 
 
 def main(args=None, parser=None) -> int:

@@ -22,6 +22,7 @@ from ..models.seedvr2.vae import RELEASED
 from ..models.seedvr2.vae.fixtures import seeded_vae
 from ..models.seedvr2.vae.memory import estimate
 from ..models.seedvr2.vae.sharded import ParallelVAE
+from . import declare
 
 
 def _exact_rss() -> None:
@@ -85,11 +86,8 @@ def _arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """``ditsp bench vae``."""
-    p = sub.add_parser("vae", help="VAE encode/decode time and per-rank peak memory: one device vs SP modes",
-                       description=__doc__)
-    _arguments(p)
-    p.set_defaults(func=main)
-    return p
+    return declare(sub, "vae", "VAE encode/decode time and per-rank peak memory: one device vs SP modes", __doc__,
+                   _arguments, main)
 
 
 def main(args=None, parser=None) -> int:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..argtypes import positive_int, positive_int_list
+from . import declare
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -171,11 +172,8 @@ def _arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("winograd", help="the VAE's Winograd convs vs direct: whole VAE and per conv shape",
-                       description=__doc__)
-    _arguments(p)
-    p.set_defaults(func=main)
-    return p
+    return declare(sub, "winograd", "the VAE's Winograd convs vs direct: whole VAE and per conv shape",
+                   __doc__, _arguments, main)
 
 
 def main(args=None, parser=None) -> int:

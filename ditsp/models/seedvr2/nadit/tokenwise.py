@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .... import cpu_gemm
 from ....fixed_shape import linear_rows, plain_linear
 
 
@@ -28,9 +27,7 @@ class TokenLinear(nn.Linear):
     replicated_rows = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # compiled: plain calls, the fast policy (ditsp.models.seedvr2.compiled)
-            return cpu_gemm.linear(x, self.weight, self.bias)
-        if self.replicated_rows:
+        if self.replicated_rows or torch.compiler.is_compiling():  # compiled: plain calls (models/seedvr2/compiled.py)
             return plain_linear(x, self.weight, self.bias)
         return linear_rows(x, self.weight, self.bias)
 
