@@ -74,3 +74,49 @@ def test_tiled_is_approximate_but_close_with_a_wide_overlap():
     tiled = ParallelVAE(vae, tile=6, overlap=4).encode(x, mode="tiled").posterior.mean
     err = ((tiled - exact).abs().max() / exact.abs().max()).item()
     assert 1e-4 < err < 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_winograd_filters_are_the_caches_an_encode_and_decode_build(monkeypatch, dtype):
+    """The estimate's Winograd filters (CPU, fast policy) are the bytes the convs' caches hold after a restoration."""
+    from ditsp.fixed_shape import FAST, use
+    from ditsp.models.seedvr2.vae import winograd
+
+    if winograd._op is None:
+        pytest.skip("no oneDNN linear in this build")
+    monkeypatch.setattr(winograd, "BUILD_PIXELS", 0)  # every qualifying conv builds on its first call
+    monkeypatch.delenv(winograd.ENV, raising=False)
+    cfg = RELEASED.with_widths((64, 128, 256, 256))
+    vae = seeded_vae(cfg).to(dtype)
+    shape = (5, 32, 48)
+    x = (torch.rand(1, 3, *shape, generator=torch.Generator().manual_seed(0)) * 2 - 1).to(dtype)
+    pv = ParallelVAE(vae, None)
+    with use(FAST), torch.no_grad():
+        pv.decode(pv.encode(x, mode="chunked").posterior.mean, mode="chunked")
+    built = sum(winograd.filter_bytes(m.weight.shape[1], m.weight.shape[0]) for m in vae.modules()
+                if getattr(getattr(m, "winograd", None), "filters", None) is not None)
+    assert built > 0
+    for op in ("encode", "decode"):
+        est = estimate(cfg, op, shape, 1, "chunked", dtype, backend="cpu", winograd_filters=True)
+        assert est.filters == built
+        assert est.total == estimate(cfg, op, shape, 1, "chunked", dtype, backend="cpu").total + built
+    assert "Winograd filters" in est.row()
+
+
+def test_winograd_filters_counted_only_where_they_are_built(monkeypatch):
+    from ditsp.models.seedvr2.budget import estimate as job_estimate, suggestions
+    from ditsp.models.seedvr2.vae import winograd
+    from ditsp.models.seedvr2.vae.memory import counts_winograd
+
+    monkeypatch.delenv(winograd.ENV, raising=False)
+    assert counts_winograd("cpu", deterministic=False)
+    assert not counts_winograd("cpu", deterministic=True) and not counts_winograd("cuda", deterministic=False)
+    monkeypatch.setenv(winograd.ENV, "0")
+    assert not counts_winograd("cpu", deterministic=False)
+    plain = job_estimate("seedvr2-3b", "fp32", 17, (256, 256), 1, "chunked")
+    with_filters = job_estimate("seedvr2-3b", "fp32", 17, (256, 256), 1, "chunked", winograd_filters=True)
+    assert with_filters.vae_filters > GiB and with_filters.total == plain.total + with_filters.vae_filters
+    assert "Winograd filters" in with_filters.describe() and "Winograd" not in plain.describe()
+    budget = (plain.total + with_filters.total) // 2  # fits without the filters only
+    fits = suggestions("seedvr2-3b", "fp32", 17, (256, 256), 1, "chunked", budget, 17, winograd_filters=True)
+    assert any(f.startswith(f"{winograd.ENV}=0") for f in fits)

@@ -140,7 +140,7 @@ def test_bf16_autograd_and_other_kernels_stay_direct(everywhere, calls):
     x = torch.randn(1, 32, 4, 8, 8)
     with use(FAST):
         with torch.no_grad():
-            copy.deepcopy(conv).bfloat16().apply(x.bfloat16())  # a bf16 conv: its cache is offered, not taken
+            copy.deepcopy(conv).bfloat16().apply(x.bfloat16())  # a bf16 conv this narrow: offered its cache, not taken
             conv.apply(x, weight=conv.weight.sum(2, keepdim=True))  # the image fast path's (1, 3, 3) kernel
             conv3d(x, conv.weight, conv.bias, padding=(0, 1, 1))  # a call without the conv's cache
             CausalConv3d(32, 24, stride=(1, 2, 2), pad="down").apply(x)  # strided
@@ -171,6 +171,37 @@ def test_thresholds_pick_wide_convs():
     assert applies(128, 128, 5, 64) and not applies(128, 128, 1, 64) and not applies(128, 128, 5, 16)
     assert not applies(64, 64, 5, 64)  # too narrow
     assert not applies(128, 3, 5, 64)  # a conv_out: nothing to save in its GEMMs
+
+
+def test_thresholds_bf16_only_the_widest():
+    """bf16 convs: oneDNN's direct bf16 conv runs ~2x its float32 one, so only wide in and out pays off."""
+    def applies(cin, cout, t_out, size, dtype=torch.bfloat16):
+        x = torch.empty(1, cin, t_out + 2, size, size, dtype=dtype)
+        with torch.no_grad():
+            return winograd.applies(x, torch.empty(cout, cin, 3, 3, 3, dtype=dtype), None, (1, 1, 1), (0, 1, 1))
+
+    assert applies(512, 512, 3, 16) and applies(256, 256, 5, 32)
+    assert not applies(256, 128, 5, 64) and not applies(128, 128, 5, 64)  # narrow out or in: direct bf16 is faster
+    assert applies(128, 128, 5, 64, torch.float32)
+    assert not applies(512, 512, 3, 16, torch.float16)  # no rules for other dtypes
+    x = torch.empty(1, 512, 5, 16, 16, dtype=torch.bfloat16)
+    assert not winograd.applies(x, torch.empty(512, 512, 3, 3, 3), None, (1, 1, 1), (0, 1, 1))  # mixed dtypes
+
+
+def test_bf16_conv_is_computed_in_float32(monkeypatch):
+    """A bf16 conv by Winograd rounds once, at the end: as close to the exact result as the direct bf16 conv."""
+    monkeypatch.setattr(winograd, "RULES_BF16", ((1, 1, 1),))
+    monkeypatch.setattr(winograd, "MIN_COUT_BF16", 1)
+    x, weight, bias = (t.bfloat16() for t in case(40, 24, 5, 13, 10))
+    assert winograd.applies(x, weight, bias, (1, 1, 1), (0, 1, 1))
+    wino = winograd.conv3d(x, weight, bias, (0, 1, 1))
+    direct = F.conv3d(x, weight, bias, padding=(0, 1, 1))
+    ref = F.conv3d(x.double(), weight.double(), bias.double(), padding=(0, 1, 1))
+    assert wino.dtype == torch.bfloat16 and wino.shape == ref.shape
+    assert rel(wino, ref) <= 2 ** -8 and rel(direct, ref) <= 2 ** -8  # one bf16 rounding, relative to the max
+    rounded = ref.to(torch.bfloat16)  # the exact result, rounded once
+    assert (wino != rounded).double().mean() < 0.02  # float32 Winograd's ~1e-5 flips only near-ties
+    assert (wino != rounded).double().mean() <= 2 * (direct != rounded).double().mean() + 0.005
 
 
 def test_env_switch(everywhere, calls, monkeypatch):

@@ -38,7 +38,10 @@ def _cpu(fn) -> tuple[float, object]:
     return time.process_time() - c0, out
 
 
-def measure(clip, repeats: int, widths=None, shapes: bool = True, max_warm: int = 20) -> dict:
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def measure(clip, repeats: int, widths=None, shapes: bool = True, max_warm: int = 20, dtype: str = "fp32") -> dict:
     """Whole-VAE and per-shape timings (see the module docstring); ``widths``: other than the released ones."""
     import torch.nn.functional as F
 
@@ -50,10 +53,11 @@ def measure(clip, repeats: int, widths=None, shapes: bool = True, max_warm: int 
 
     torch.set_num_threads(1)
     cfg = RELEASED if widths is None else RELEASED.with_widths(widths)
-    vae = seeded_vae(cfg)
+    dt = DTYPES[dtype]
+    vae = seeded_vae(cfg).to(dt)
     pv = ParallelVAE(vae, None)
     T, H, W = clip
-    x = torch.rand(1, 3, T, H, W, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    x = (torch.rand(1, 3, T, H, W, generator=torch.Generator().manual_seed(0)) * 2 - 1).to(dt)
     seen: Counter = Counter()
     real = winograd.conv3d
 
@@ -100,7 +104,7 @@ def measure(clip, repeats: int, widths=None, shapes: bool = True, max_warm: int 
             os.environ[winograd.ENV] = before
     direct, wino = min(times["0"]), min(times["1"])
     cache_bytes = sum(16 * m.weight.numel() for m in built())  # 36 float32 positions per 9 taps of each filter
-    whole = {"clip": list(clip), "widths": list(cfg.widths), "direct_cpu_s": direct, "winograd_cpu_s": wino,
+    whole = {"clip": list(clip), "widths": list(cfg.widths), "dtype": dtype, "direct_cpu_s": direct, "winograd_cpu_s": wino,
              "ratio": wino / direct, "speedup": direct / wino, "direct_runs_s": times["0"],
              "winograd_runs_s": times["1"], "first_direct_cpu_s": direct_first,
              "warmup_winograd_runs_s": warm, "filter_cache_gib": cache_bytes / 2 ** 30,
@@ -109,9 +113,9 @@ def measure(clip, repeats: int, widths=None, shapes: bool = True, max_warm: int 
     if shapes:
         g = torch.Generator().manual_seed(1)
         for (xs, ws, pad), n in sorted(calls.items(), key=lambda kv: (kv[0][1][1], kv[0][0][3:])):
-            xx = torch.randn(xs, generator=g)
-            weight = torch.randn(ws, generator=g) / (ws[1] * 27) ** 0.5
-            bias = torch.randn(ws[0], generator=g) * 0.1
+            xx = torch.randn(xs, generator=g).to(dt)
+            weight = (torch.randn(ws, generator=g) / (ws[1] * 27) ** 0.5).to(dt)
+            bias = (torch.randn(ws[0], generator=g) * 0.1).to(dt)
             cache = winograd.WeightCache()
             fns = {"direct": lambda: conv3d(xx, weight, bias, padding=pad),  # no filter cache: direct
                    "winograd": lambda: winograd.conv3d(xx, weight, bias, pad, cache)}
@@ -134,7 +138,8 @@ def measure(clip, repeats: int, widths=None, shapes: bool = True, max_warm: int 
 def format_report(res: dict) -> list[str]:
     w = res["whole"]
     clip = "x".join(map(str, w["clip"]))
-    lines = [f"VAE widths {'/'.join(map(str, w['widths']))}, encode + decode of a {clip} float32 clip, fast policy, "
+    lines = [f"VAE widths {'/'.join(map(str, w['widths']))}, encode + decode of a {clip} "
+             f"{ {'fp32': 'float32', 'bf16': 'bfloat16'}[w.get('dtype', 'fp32')]} clip, fast policy, "
              "one thread; process CPU seconds, min over the interleaved runs.", "",
              "| direct CPU s | Winograd CPU s | Winograd / direct | speedup | latent max rel. diff | "
              "decoded max rel. diff | first run: direct / Winograd CPU s | Winograd runs until every filter is "
@@ -167,6 +172,8 @@ def _arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--widths", type=positive_int_list, default=None, help="VAE widths (default: the released ones)")
     p.add_argument("--repeats", type=positive_int, default=3, help="interleaved runs per side (and per shape)")
     p.add_argument("--no-shapes", action="store_true", help="the whole VAE only")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                   help="the VAE's dtype (bf16 convs are computed in float32 by Winograd)")
     p.add_argument("--out", default="benchmarks/results")
     return p
 
@@ -181,12 +188,13 @@ def main(args=None, parser=None) -> int:
         args = _arguments(argparse.ArgumentParser()).parse_args()
     if len(args.clip) != 3:
         (parser or argparse.ArgumentParser()).error("--clip: expected T,H,W")
-    res = measure(tuple(args.clip), args.repeats, args.widths, shapes=not args.no_shapes)
+    res = measure(tuple(args.clip), args.repeats, args.widths, shapes=not args.no_shapes, dtype=args.dtype)
     lines = format_report(res)
     print("\n".join(lines))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "vae-winograd.md").write_text("# VAE: Winograd F(4x4, 3x3) vs direct convs (`ditsp bench winograd`)\n\n"
+    stem = "vae-winograd" if args.dtype == "fp32" else f"vae-winograd-{args.dtype}"
+    (out / f"{stem}.md").write_text("# VAE: Winograd F(4x4, 3x3) vs direct convs (`ditsp bench winograd`)\n\n"
                                          + "\n".join(lines) + "\n")
-    (out / "vae-winograd.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
     return 0

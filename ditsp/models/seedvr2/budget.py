@@ -9,6 +9,7 @@ run (:mod:`.vae.memory`). It is a model, not a measurement: `ditsp upscale
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from ...weights.sizing import WeightBytes
 from .pipeline.padding import padded_length
 from .vae.memory import choose_mode
 from .vae.memory import estimate as vae_estimate
+from .vae.winograd import ENV as WINOGRAD_ENV
 from .weight_memory import dit_weights
 
 GiB = 2**30
@@ -37,6 +39,7 @@ class Estimate:
     vae_mode: str
     dit_dequant: int = 0  # one layer's dequantized weight (quantized formats only)
     weights_fmt: str = ""
+    vae_filters: int = 0  # part of ``vae``: the Winograd convs' cached filters (CPU, fast policy)
 
     @property
     def total(self) -> int:
@@ -47,15 +50,17 @@ class Estimate:
         dq = f" + dequant buffer {self.dit_dequant / GiB:.2f}" if self.dit_dequant else ""
         return (f"{self.total / GiB:.2f} GiB per rank (DiT weights{fmt} {self.dit_weights / GiB:.2f}{dq}, DiT "
                 f"activations {self.dit_activations / GiB:.2f}, latents {self.latents / GiB:.2f}, VAE {self.vae_mode} "
-                f"{self.vae / GiB:.2f})")
+                f"{self.vae / GiB:.2f}{f' incl. Winograd filters {self.vae_filters / GiB:.2f}' if self.vae_filters else ''})")
 
 
 def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: int, vae_mode: str = "auto",
-             budget: int | None = None, vae_chunk: int = 1, weights: WeightBytes | None = None) -> Estimate:
+             budget: int | None = None, vae_chunk: int = 1, weights: WeightBytes | None = None,
+             winograd_filters: bool = False) -> Estimate:
     """Modelled peak bytes per rank for one window of ``frames`` frames at output size ``out_hw``.
 
     ``weights``: the DiT's weights as kept (:func:`.weight_memory.dit_weights`: stored format and
-    dequantization buffer); default: every parameter in ``dtype``."""
+    dequantization buffer); default: every parameter in ``dtype``. ``winograd_filters``: count the
+    VAE's cached Winograd filters (:func:`.vae.memory.counts_winograd`: a CPU run, fast policy)."""
 
     cfg = get_config(model)
     vcfg = VAE_PRESETS[MODELS[model]]
@@ -73,27 +78,31 @@ def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: i
     mode = vae_mode
     if mode == AUTO:  # what the restoration's VAE will pick (the one meaning of auto); tiled if nothing fits
         try:
-            mode = choose_mode(vcfg, shape, sp, budget, vdtype, vae_chunk).mode
+            mode = choose_mode(vcfg, shape, sp, budget, vdtype, vae_chunk, winograd_filters=winograd_filters).mode
         except MemoryError:
             mode = "tiled"
-    vae = max(vae_estimate(vcfg, op, shape, sp, mode, vdtype, vae_chunk).total for op in ("encode", "decode"))
+    v = max((vae_estimate(vcfg, op, shape, sp, mode, vdtype, vae_chunk, winograd_filters=winograd_filters)
+             for op in ("encode", "decode")), key=lambda m: m.total)
     if weights is None:
-        return Estimate(cfg.param_count() * e, int(dit_act), int(latents), int(vae), mode)
-    return Estimate(weights.kept, int(dit_act), int(latents), int(vae), mode, weights.buffer, weights.fmt)
+        return Estimate(cfg.param_count() * e, int(dit_act), int(latents), int(v.total), mode, vae_filters=v.filters)
+    return Estimate(weights.kept, int(dit_act), int(latents), int(v.total), mode, weights.buffer, weights.fmt,
+                    v.filters)
 
 
 def suggestions(model: str, dtype: str, frames: int, out_hw, sp: int, vae_mode: str, budget: int,
-                window_frames: int, weights: WeightBytes | None = None) -> list[str]:
-    """What would fit ``budget`` per rank: more ranks, another VAE mode, shorter windows, smaller weights."""
+                window_frames: int, weights: WeightBytes | None = None, winograd_filters: bool = False) -> list[str]:
+    """What would fit ``budget`` per rank: more ranks, another VAE mode, shorter windows, smaller weights,
+    no Winograd filters."""
+    fit = functools.partial(estimate, winograd_filters=winograd_filters)
     out = []
     for more in (2 * sp, 4 * sp, 8 * sp):
-        e = estimate(model, dtype, frames, out_hw, more, vae_mode, budget, weights=weights)
+        e = fit(model, dtype, frames, out_hw, more, vae_mode, budget, weights=weights)
         if e.total <= budget:
             out.append(f"--sp {more} ({e.total / GiB:.1f} GiB per rank)")
             break
     for mode in ("height+chunks", "chunked", "tiled"):
         if mode != vae_mode:
-            e = estimate(model, dtype, frames, out_hw, sp, mode, budget, weights=weights)
+            e = fit(model, dtype, frames, out_hw, sp, mode, budget, weights=weights)
             if e.total <= budget:
                 out.append(f"--vae-mode {mode} ({e.total / GiB:.1f} GiB per rank"
                            f"{', approximate' if mode == 'tiled' else ''})")
@@ -101,19 +110,23 @@ def suggestions(model: str, dtype: str, frames: int, out_hw, sp: int, vae_mode: 
     f = frames
     while f > 5:
         f = max(5, ((f // 2 - 1) // 4) * 4 + 1)
-        e = estimate(model, dtype, f, out_hw, sp, vae_mode, budget, weights=weights)
+        e = fit(model, dtype, f, out_hw, sp, vae_mode, budget, weights=weights)
         if e.total <= budget:
             out.append(f"--window-frames {f} ({e.total / GiB:.1f} GiB per rank)")
             break
     if dtype == "fp32":
-        e = estimate(model, "bf16", frames, out_hw, sp, vae_mode, budget)
+        e = fit(model, "bf16", frames, out_hw, sp, vae_mode, budget)
         if e.total <= budget:
             out.append(f"--dtype bf16 ({e.total / GiB:.1f} GiB per rank)")
-    out += _smaller_weights(model, dtype, frames, out_hw, sp, vae_mode, budget, weights)
+    out += _smaller_weights(model, dtype, frames, out_hw, sp, vae_mode, budget, weights, fit)
+    if winograd_filters:
+        e = estimate(model, dtype, frames, out_hw, sp, vae_mode, budget, weights=weights)
+        if e.total <= budget:
+            out.append(f"{WINOGRAD_ENV}=0 ({e.total / GiB:.1f} GiB per rank, a slower VAE)")
     return out
 
 
-def _smaller_weights(model, dtype, frames, out_hw, sp, vae_mode, budget, weights) -> list[str]:
+def _smaller_weights(model, dtype, frames, out_hw, sp, vae_mode, budget, weights, fit) -> list[str]:
     """The first smaller DiT format that fits: FP8 at load, then a Q8_0 or Q4_K_M GGUF file."""
 
     if dtype not in ("bf16", "fp32"):
@@ -124,7 +137,7 @@ def _smaller_weights(model, dtype, frames, out_hw, sp, vae_mode, budget, weights
         w = dit_weights(model, dtype, fmt=fmt)
         if w.kept >= now:
             continue
-        e = estimate(model, dtype, frames, out_hw, sp, vae_mode, budget, weights=w)
+        e = fit(model, dtype, frames, out_hw, sp, vae_mode, budget, weights=w)
         if e.total <= budget:
             return [f"{hint} ({e.total / GiB:.1f} GiB per rank)"]
     return []

@@ -8,6 +8,9 @@ attention's tokens, q/k/v and the whole-frame k/v gathered under height sharding
 is the activation peak. Added to it: the weights, the carried time tails of every causal conv
 (chunked modes: ``k_t - 1`` frames of each conv's input at piece resolution), the clip tensors
 (input, per-piece outputs and their concatenation, the gathered output), all in the compute dtype.
+On CPU under the fast policy, the filters every Winograd conv caches (:mod:`.winograd`: 4x a float32
+filter's bytes, kept with the conv from its first big call on) are counted too, like weights: the
+encoder's and the decoder's, since a restoration holds both.
 The benchmark (:mod:`ditsp.bench.vae`) checks it against measured peaks of reduced-width VAEs.
 """
 
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import winograd
 from .config import VaeConfig
 from .layouts import TimeLayout, even_split
 from .modes import AUTO_ORDER, BY_NAME, FALLBACK
@@ -49,24 +53,28 @@ class MemoryEstimate:
     io: int
     piece: Piece
     peak_op: str = ""
+    filters: int = 0  # the Winograd convs' cached filters (CPU, fast policy)
 
     @property
     def total(self) -> int:
-        return self.weights + self.activation_peak + self.carried_state + self.io
+        return self.weights + self.activation_peak + self.carried_state + self.io + self.filters
 
     def row(self) -> str:
         g = lambda b: f"{b / GiB:.2f}"  # noqa: E731
         return (f"{self.mode:14s} total {g(self.total):>6s} GiB = weights {g(self.weights)} + activations "
                 f"{g(self.activation_peak)} (largest tensor {g(self.largest_activation)}, halos {g(self.halo)}) + "
-                f"carried {g(self.carried_state)} + clip {g(self.io)}; piece {self.piece.frames} frames x "
+                f"carried {g(self.carried_state)} + clip {g(self.io)}"
+                + (f" + Winograd filters {g(self.filters)}" if self.filters else "") + "; piece {self.piece.frames} frames x "
                 f"{self.piece.rows} rows, peak at {self.peak_op}")
 
 
 class _Walk:
-    def __init__(self, bytes_per: int, gn_upcast: bool, halo: bool, carry: bool, cpu_workspace: bool = False):
+    def __init__(self, bytes_per: int, gn_upcast: bool, halo: bool, carry: bool, cpu_workspace: bool = False,
+                 winograd_dtype: torch.dtype | None = None):
         self.b, self.gn_upcast, self.halo, self.carry = bytes_per, gn_upcast, halo, carry
-        self.cpu_workspace = cpu_workspace
+        self.cpu_workspace, self.winograd_dtype = cpu_workspace, winograd_dtype
         self.peak, self.peak_op, self.largest, self.halo_bytes, self.state = 0, "", 0, 0, 0
+        self.filters = 0
 
     def size(self, c, t, h, w) -> int:
         return c * t * h * w * self.b
@@ -90,6 +98,9 @@ class _Walk:
             self.state += self.size(cin, kt - 1, h, w)
         t2 = t if st == 1 else (t - 1) // 2 + 1
         out = self.size(cout, t2, h // ss, w // ss)
+        if self.winograd_dtype is not None and kt == 3 and st == 1 and ss == 1 \
+                and winograd.fits(cin, cout, (t, h, w), self.winograd_dtype):
+            self.filters += winograd.filter_bytes(cin, cout)  # each conv is walked once
         # On CPU the convs run through oneDNN (layers.conv3d), which writes its output in its blocked
         # channel layout and reorders it back: one extra output-sized buffer while the conv runs
         # (fitted against measured peaks in `ditsp bench vae`).
@@ -217,22 +228,29 @@ def piece_of(cfg: VaeConfig, op: str, shape, world: int, mode: str, chunk: int =
 
 
 def estimate(cfg: VaeConfig, op: str, shape, world: int, mode: str, dtype=torch.bfloat16, chunk: int = 1,
-             tile: int = 32, overlap: int = 8, gather: bool = True, backend: str = "cuda") -> MemoryEstimate:
+             tile: int = 32, overlap: int = 8, gather: bool = True, backend: str = "cuda",
+             winograd_filters: bool = False) -> MemoryEstimate:
     """Modelled peak bytes of one rank running ``op`` ("encode"/"decode") of a (T, H, W) pixel clip.
 
     ``backend="cpu"`` adds the output-sized reorder buffer of the oneDNN convs (layers.conv3d)
-    per output position); CUDA convolutions are modelled without workspace.
+    per output position); CUDA convolutions are modelled without workspace. ``winograd_filters``
+    (:func:`counts_winograd`): add the filters the Winograd convs of this piece will cache.
     """
     b = torch.empty((), dtype=dtype).element_size()
     T, H, W = shape
     t, h, w = cfg.latent_shape(T, H, W)
     pc = piece_of(cfg, op, shape, world, mode, chunk, tile, overlap)
     carry = mode in ("chunked", "height+chunks", "tiled") and pc.pieces > 1
-    wk = _Walk(b, False, pc.halo, carry, backend == "cpu")
-    if op == "encode":
-        _walk_encoder(cfg, wk, (pc.frames, pc.rows, pc.cols), h)
-    else:
-        _walk_decoder(cfg, wk, (pc.frames, pc.rows, pc.cols), h)
+    wk = _Walk(b, False, pc.halo, carry, backend == "cpu", dtype if winograd_filters else None)
+    walk = {"encode": _walk_encoder, "decode": _walk_decoder}
+    walk[op](cfg, wk, (pc.frames, pc.rows, pc.cols), h)
+    filters = wk.filters
+    if winograd_filters:  # the cache lives with the VAE: a restoration's decode still holds the encoder's filters
+        other = "decode" if op == "encode" else "encode"
+        po = piece_of(cfg, other, shape, world, mode, chunk, tile, overlap)
+        wo = _Walk(b, False, po.halo, False, backend == "cpu", dtype)
+        walk[other](cfg, wo, (po.frames, po.rows, po.cols), h)
+        filters += wo.filters
     lat = 2 * cfg.latent_channels * t * h * w * b
     vid = cfg.in_channels * T * H * W * b
     if op == "encode":
@@ -243,7 +261,12 @@ def estimate(cfg: VaeConfig, op: str, shape, world: int, mode: str, dtype=torch.
         io = lat + share * (2 if pc.pieces > 1 else 1) + (2 * vid if gather and world > 1 and mode not in (
             "replicated", "chunked", "tiled") else 0) + (vid if mode == "tiled" else 0)
     return MemoryEstimate(mode, num_params(cfg) * b, wk.peak, wk.largest, wk.halo_bytes, wk.state, int(io), pc,
-                          wk.peak_op)
+                          wk.peak_op, filters)
+
+
+def counts_winograd(device: torch.device | str, deterministic: bool) -> bool:
+    """Whether a VAE run on ``device`` under this kernel policy caches Winograd filters (CPU, fast, switched on)."""
+    return torch.device(device).type == "cpu" and not deterministic and winograd.enabled()
 
 
 @dataclass
@@ -254,7 +277,8 @@ class Choice:
 
 
 def choose_mode(cfg: VaeConfig, shape, world: int, budget: int | None, dtype=torch.bfloat16, chunk: int = 1,
-                tile: int = 32, overlap: int = 8, ops: tuple[str, ...] = ("encode", "decode")) -> Choice:
+                tile: int = 32, overlap: int = 8, ops: tuple[str, ...] = ("encode", "decode"),
+                winograd_filters: bool = False) -> Choice:
     """What ``auto`` means, the one rule (:mod:`.modes`): the first exact mode of ``AUTO_ORDER`` whose modelled
     per-rank peak over ``ops`` fits ``budget``; tiled (APPROXIMATE) only if none does; else MemoryError.
 
@@ -264,7 +288,8 @@ def choose_mode(cfg: VaeConfig, shape, world: int, budget: int | None, dtype=tor
     cands = [m for m in AUTO_ORDER if t >= BY_NAME[m].min_latent_frames]
 
     def peak(m: str) -> int:
-        return max(estimate(cfg, op, shape, world, m, dtype, chunk, tile, overlap).total for op in ops)
+        return max(estimate(cfg, op, shape, world, m, dtype, chunk, tile, overlap,
+                            winograd_filters=winograd_filters).total for op in ops)
 
     est = {}
     for m in cands:

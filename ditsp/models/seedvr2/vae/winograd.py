@@ -50,6 +50,10 @@ BAND_BYTES = 12 << 20
 # frames x 4x4 tiles per frame) and output frames (each reads three transformed input frames) it needs.
 MIN_COUT = 128
 RULES = ((256, 32, 1), (128, 128, 3))  # (input channels at least, then GEMM rows, output frames)
+# A bfloat16 conv is computed in float32 (module docstring). oneDNN's bfloat16 direct conv runs about twice as
+# fast as its float32 one, so only convs at least this wide both ways gain (benchmarks/results/vae-winograd-bf16.md).
+MIN_COUT_BF16 = 256
+RULES_BF16 = ((256, 32, 1),)
 # A conv's filters are transformed (and packed) once its Winograd-eligible calls, this one included, reach
 # this many output pixels (frames x rows x columns); until then it runs direct. Transforming costs ~1.5 us
 # per (in, out) channel pair on this VM (mostly page faults of the new 4x-weight-sized buffers) and saves
@@ -86,16 +90,16 @@ def enabled() -> bool:
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding) -> bool:
     """Whether this conv call takes the Winograd route (the caller has already chosen the fast policy).
 
-    A float32 CPU inference call of a 3x3x3, stride-1 conv with no time padding (the caller puts
-    the causal frames in place), wide and big enough by :data:`MIN_COUT` and :data:`RULES`.
+    A float32 or bfloat16 CPU inference call of a 3x3x3, stride-1 conv with no time padding (the
+    caller puts the causal frames in place), wide and big enough by :func:`fits`.
     """
-    if _op is None or x.device.type != "cpu" or x.dim() != 5 or x.dtype != torch.float32:
+    if _op is None or x.device.type != "cpu" or x.dim() != 5 or _rules(x.dtype)[1] is None:
         return False
-    if weight.dtype != torch.float32 or tuple(weight.shape[2:]) != (3, 3, 3) or weight.shape[1] != x.shape[1]:
+    if weight.dtype != x.dtype or tuple(weight.shape[2:]) != (3, 3, 3) or weight.shape[1] != x.shape[1]:
         return False
-    if bias is not None and bias.dtype != torch.float32:
+    if bias is not None and bias.dtype != x.dtype:
         return False
-    if tuple(stride) != (1, 1, 1) or padding[0] != 0 or weight.shape[0] < MIN_COUT:
+    if tuple(stride) != (1, 1, 1) or padding[0] != 0:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
@@ -103,13 +107,32 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, st
     if torch.compiler.is_compiling() or weight.is_inference():
         return False  # an inference tensor has no version counter: in-place changes would leave stale filters
     t_out, h_out, w_out = x.shape[2] - 2, x.shape[3] + 2 * padding[1] - 2, x.shape[4] + 2 * padding[2] - 2
-    if t_out < 1 or h_out < 1 or w_out < 1:
+    return fits(weight.shape[1], weight.shape[0], (t_out, h_out, w_out), x.dtype) and enabled()
+
+
+def fits(c_in: int, c_out: int, out_shape: tuple[int, int, int], dtype: torch.dtype) -> bool:
+    """The size rule alone: whether a 3x3x3 conv this wide, with output frames x rows x columns ``out_shape``,
+    gains by Winograd in ``dtype`` (:data:`MIN_COUT`, :data:`RULES` and their bfloat16 pair). The memory
+    model (:mod:`.memory`) asks it too, to count the filters such a conv will cache."""
+    min_cout, rules = _rules(dtype)
+    t_out, h_out, w_out = out_shape
+    if rules is None or c_out < min_cout or t_out < 1 or h_out < 1 or w_out < 1:
         return False
     rows = t_out * -(-h_out // TILE) * -(-w_out // TILE)
-    for min_cin, min_rows, min_frames in RULES:
-        if weight.shape[1] >= min_cin:
-            return rows >= min_rows and t_out >= min_frames and enabled()
+    for min_cin, min_rows, min_frames in rules:
+        if c_in >= min_cin:
+            return rows >= min_rows and t_out >= min_frames
     return False
+
+
+def filter_bytes(c_in: int, c_out: int) -> int:
+    """Bytes of one conv's cached filters: 36 transformed positions x 3 taps of (C_out, C_in), float32."""
+    return _N * _N * 3 * c_out * c_in * 4
+
+
+def _rules(dtype: torch.dtype) -> tuple[int, tuple | None]:
+    """(least output channels, size rules) of a conv in ``dtype`` (rules None: never by Winograd), read per call."""
+    return {torch.float32: (MIN_COUT, RULES), torch.bfloat16: (MIN_COUT_BF16, RULES_BF16)}.get(dtype, (0, None))
 
 
 def transform_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -201,7 +224,8 @@ def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pad
     th, tw = -(-h_out // TILE), -(-w_out // TILE)
     band = max(1, min(th, (band_bytes or BAND_BYTES) // (_N * _N * t_in * tw * c * 4)))
     filters = (cache or WeightCache()).get(weight, t_out * band * tw)
-    out = x.new_empty(b, weight.shape[0], t_out, h_out, w_out)
+    bias = bias.float() if bias is not None else None
+    out = x.new_empty(b, weight.shape[0], t_out, h_out, w_out)  # x's dtype: a bfloat16 output is rounded once
     for i in range(b):
         for r in range(0, th, band):
             n = min(band, th - r)
@@ -222,8 +246,9 @@ def _channels_last(x: torch.Tensor, top: int, rows: int, left: int, tw: int) -> 
     c, t, h, w = x.shape
     wp = TILE * tw + 2
     lo, hi = max(top, 0), min(top + rows, h)
-    x = F.pad(x[:, :, lo:hi], (left, wp - w - left, lo - top, top + rows - hi)).contiguous()  # (no-op: pad copies)
-    return x.view(c, t * rows * wp).t().contiguous().view(t, rows, wp, c)  # a blocked transpose
+    x = F.pad(x[:, :, lo:hi], (left, wp - w - left, lo - top, top + rows - hi))  # a copy, in x's dtype
+    out = torch.empty(t * rows * wp, c, dtype=torch.float32)
+    return out.copy_(x.view(c, t * rows * wp).t()).view(t, rows, wp, c)  # a blocked transpose (and cast)
 
 
 def _input_transform(xc: torch.Tensor, th: int, tw: int) -> torch.Tensor:
