@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -40,5 +42,27 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, before)
 
 
+def run(argv: list[str] | None = None) -> None:
+    """The `ditsp` program: :func:`main`, then :func:`fast_exit` with its code."""
+    fast_exit(main(argv))
+
+
+def fast_exit(code: int | None) -> None:
+    """Leave the process as a finished command may: non-daemon threads joined, exit handlers run (the
+    multiprocessing ones stop local ranks; temporary folders go), stdout and stderr flushed, then
+    ``os._exit`` without the interpreter's teardown of torch's modules, which cost 0.6-1 s at the end of
+    every `ditsp upscale`. An exception out of ``main`` is not a code: it takes the ordinary way out."""
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe, a closed stream: nothing left to say there
+            pass
+    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -133,12 +133,14 @@ class Engine:
 
 
 def dispatch(fn: Callable, *args, sp: int, threads: int = 1, timeout_s: float = 3600.0,
-             cluster: LocalCluster | None = None) -> list:
+             cluster: LocalCluster | None = None, fork: bool = False) -> list:
     """Run ``fn(ctx, *args)`` on ``sp`` ranks; returns every rank's result (rank order).
 
     Inside a torchrun job this process is one rank and returns its own result
     only; ``sp == 1`` runs in this process; otherwise on ``cluster`` or on a
-    LocalCluster started (and closed) for this call.
+    LocalCluster started (and closed) for this call, its ranks forked from this
+    process where ``fork`` asks and it is safe (``launcher.fork_is_safe``): a
+    command's fresh process, whose imports the ranks then need not repeat.
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         ctx = init_from_env()
@@ -150,7 +152,7 @@ def dispatch(fn: Callable, *args, sp: int, threads: int = 1, timeout_s: float = 
         return [fn(RankContext(0, 1, None, torch.device("cpu")), *args)]
     if cluster is not None:
         return cluster.run(fn, *args, timeout_s=timeout_s)
-    with LocalCluster(sp, timeout_s=timeout_s, threads=threads) as own:
+    with LocalCluster(sp, timeout_s=timeout_s, threads=threads, fork=fork) as own:
         return own.run(fn, *args, timeout_s=timeout_s)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -77,7 +78,7 @@ PARENT = textwrap.dedent("""
     from tests.test_launcher import nap
 
     if __name__ == "__main__":
-        cluster = LocalCluster(2, timeout_s=300)
+        cluster = LocalCluster(2, timeout_s=300, fork=sys.argv[1] == "fork")
         print(" ".join(map(str, cluster.pids)), flush=True)
         cluster.run(nap, 300)
 """)
@@ -85,8 +86,10 @@ PARENT = textwrap.dedent("""
 
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
 @pytest.mark.timeout(90)
-def test_ranks_die_with_their_parent(tmp_path):
-    """kill -9 / kill -TERM of the parent, TERM to its process group, and the watchdog alone."""
+@pytest.mark.parametrize("start", ["spawn", "fork"])
+def test_ranks_die_with_their_parent(tmp_path, start):
+    """kill -9 / kill -TERM of the parent, TERM to its process group, and the watchdog alone; spawned
+    ranks and ranks forked from the parent alike."""
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
     ways = ["kill9", "term", "term-group", "kill9-watchdog-only"]
@@ -95,7 +98,7 @@ def test_ranks_die_with_their_parent(tmp_path):
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         if way == "kill9-watchdog-only":
             env["DITSP_NO_PDEATHSIG"] = "1"
-        parents[way] = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        parents[way] = subprocess.Popen([sys.executable, str(script), start], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         for way, p in parents.items():
@@ -122,6 +125,47 @@ def test_ranks_die_with_their_parent(tmp_path):
                     os.kill(pid, signal.SIGKILL)
             if p.poll() is None:
                 p.kill()
+
+
+FORKED = textwrap.dedent("""
+    import atexit, json, os, signal, sys, threading
+    from ditsp.distributed.launcher import LocalCluster
+    from tests.test_launcher import what_a_rank_inherited
+
+    if __name__ == "__main__":
+        threads, other_thread = int(sys.argv[2]), sys.argv[3] == "1"
+        sys.modules["parent_only_marker"] = object()  # in a forked rank's sys.modules, never a spawned one's
+        atexit.register(lambda: open(sys.argv[1], "a").write(f"{os.getpid()}\\n"))
+        signal.signal(signal.SIGTERM, lambda *a: None)
+        if other_thread:
+            threading.Thread(target=threading.Event().wait, daemon=True).start()
+        with LocalCluster(2, timeout_s=60, threads=threads, fork=True) as cluster:
+            print(json.dumps(cluster.run(what_a_rank_inherited)), flush=True)
+""")
+
+
+def what_a_rank_inherited(ctx):
+    return {"forked": "parent_only_marker" in sys.modules, "sigterm_default": signal.getsignal(signal.SIGTERM)
+            == signal.SIG_DFL, "pid": os.getpid()}
+
+
+@pytest.mark.skipif(not LINUX, reason="fork")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("threads,other_thread,forked", [(1, False, True), (2, False, False), (1, True, False)])
+def test_fork_only_where_safe_and_the_parents_handlers_stay_the_parents(tmp_path, threads, other_thread, forked):
+    """``fork=True`` forks the ranks from a one-thread parent whose ranks compute on one thread each, else
+    spawns them; a forked rank drops the parent's exit and SIGTERM handlers (the exit handler runs once,
+    in the parent)."""
+    script, ran = tmp_path / "parent.py", tmp_path / "atexit.txt"
+    script.write_text(FORKED)
+    out = subprocess.run([sys.executable, str(script), str(ran), str(threads), str(int(other_thread))], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    ranks = json.loads(out.stdout)
+    assert [r["forked"] for r in ranks] == [forked, forked]
+    assert all(r["sigterm_default"] for r in ranks)
+    (runner,) = ran.read_text().split()  # the parent's exit handler ran once, in the parent
+    assert int(runner) not in {r["pid"] for r in ranks}
 
 
 # -- failures say why -------------------------------------------------------------

@@ -105,7 +105,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.json:
         print(f"{args.input}: {info.kind}, {frames} frame(s), {geo.describe()}, SP={args.sp}; {mem_line}")
     try:
-        results = dispatch(rank_upscale, req, sp=args.sp, threads=args.threads, timeout_s=args.timeout)
+        # local ranks forked from this process (where safe): they start with its imports, not their own
+        results = dispatch(rank_upscale, req, sp=args.sp, threads=args.threads, timeout_s=args.timeout, fork=True)
     except RankError as e:  # its first line names the cause on each failed rank
         return _fail(str(e).splitlines()[0])
     except (ValueError, MemoryError, OSError) as e:

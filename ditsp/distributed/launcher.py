@@ -23,6 +23,12 @@ process group, so a signal to that group (Ctrl-C, ``kill -TERM -PGID``)
 reaches them too. ``PR_SET_PDEATHSIG`` fires when the *thread* that started
 the ranks exits: start a LocalCluster from a thread that outlives it.
 
+Ranks are spawned (a fresh interpreter each), or with ``fork=True`` forked
+from the parent where :func:`fork_is_safe`: a command's fresh process, whose
+imports (torch, the job's modules: 1.5-2 s of CPU per rank) the ranks then
+share instead of repeating. A forked rank drops the parent's exit and signal
+handlers and dies with its parent the same way.
+
 The rendezvous store is hosted by the parent and listens on 127.0.0.1 only
 (a pre-bound loopback socket), and gloo is pinned to the loopback interface
 where there is one (``GLOO_SOCKET_IFNAME``), so local ranks open no port on
@@ -108,16 +114,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def loopback_store(world_size: int, timeout_s: float) -> tuple[dist.TCPStore, tuple[str, int]]:
-    """A TCPStore server listening on 127.0.0.1 only, and its address.
-
-    (Left to itself the server listens on every interface; handed a bound
-    loopback socket, it listens there.) The store owns the socket from here on.
-    """
+def listening_socket() -> socket.socket:
+    """A TCP socket listening on 127.0.0.1 at a free port (clients that connect before a store serves it
+    wait in its backlog)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind((LOOPBACK, 0))
         sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def loopback_store(world_size: int, timeout_s: float, sock: socket.socket | None = None
+                   ) -> tuple[dist.TCPStore, tuple[str, int]]:
+    """A TCPStore server listening on 127.0.0.1 only, and its address.
+
+    (Left to itself the server listens on every interface; handed a bound
+    loopback socket, it listens there: ``sock`` from :func:`listening_socket`, or a new one.)
+    The store owns the socket from here on.
+    """
+    sock = sock or listening_socket()
+    try:
         addr = sock.getsockname()[:2]
         store = dist.TCPStore(LOOPBACK, addr[1], world_size, True, datetime.timedelta(seconds=timeout_s),
                               wait_for_workers=False, master_listen_fd=sock.fileno())
@@ -212,8 +231,23 @@ def error_line(e: BaseException, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _forget_parent(listen_fd: int | None) -> None:
+    """What a forked rank inherited from the parent's interpreter and is not its own: the parent's exit
+    handlers (they would remove the parent's temporary folders when the rank exits), its signal handlers
+    (the CLI's SIGTERM handler would turn a stop into an exception the call loop reports and survives),
+    and its copy of the rendezvous store's listening socket."""
+    atexit._clear()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if listen_fd is not None:
+        os.close(listen_fd)
+
+
 def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, tasks, answers,
-            parent_pid: int | None = None, stack_path: str | None = None, beats=None, started=None) -> None:
+            parent_pid: int | None = None, stack_path: str | None = None, beats=None, started=None,
+            forked: bool = False, listen_fd: int | None = None) -> None:
+    if forked:
+        _forget_parent(listen_fd)
     if parent_pid is not None:
         die_with_parent(parent_pid)
     results = _Answers(rank, answers)
@@ -303,6 +337,17 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else "(no message)"
 
 
+def fork_is_safe(threads: int) -> bool:
+    """Whether ranks may be forked from this process rather than spawned (they start with its imports:
+    no interpreter start, no torch import, seconds of CPU each).
+
+    Only where a child cannot inherit a half-held lock or a thread pool it would wait on: one compute
+    thread per rank (an OpenMP pool this process may have started is never entered in a child), no other
+    Python thread here, CUDA not initialised, and the platform forks."""
+    return (threads == 1 and threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods()
+            and not torch.cuda.is_initialized())
+
+
 def _check_main_importable() -> None:
     """Spawned ranks re-run the parent's main module from its file; one that is not a file (a script read
     from stdin, ``python - < x.py``) kills every rank at import with an error only stderr shows."""
@@ -347,7 +392,7 @@ class LocalCluster:
     the process group's timeout); ``threads`` is each rank's compute threads.
     """
 
-    def __init__(self, world_size: int, timeout_s: float = 120.0, threads: int = 1):
+    def __init__(self, world_size: int, timeout_s: float = 120.0, threads: int = 1, fork: bool = False):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
         if not isinstance(threads, int) or threads < 1:
@@ -364,6 +409,7 @@ class LocalCluster:
         self._store = self._addr = None
         self._stack_dir: str | None = None
         self._started = None
+        self._fork = fork
         self._start()
 
     @property
@@ -376,14 +422,17 @@ class LocalCluster:
         return [p.pid for p in self._procs]
 
     def _start(self) -> None:
-        _check_main_importable()
+        fork = self._fork and fork_is_safe(self.threads)
+        if not fork:
+            _check_main_importable()
         _sweep_rank_dirs()
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("fork" if fork else "spawn")
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         pipes = [ctx.Pipe(duplex=False) for _ in range(self.world_size)]
         self._answers = [reader for reader, _ in pipes]
-        self._store, self._addr = loopback_store(self.world_size, max(_START_S, self.timeout_s))
-        port = self._addr[1]
+        # the store is made on this socket once the ranks are started: a forked rank copies no store thread
+        sock = listening_socket()
+        port = sock.getsockname()[1]
         self._stack_dir = tempfile.mkdtemp(prefix=f"ditsp-ranks-{os.getpid()}-")  # the pid: swept once it is gone
         weakref.finalize(self, shutil.rmtree, self._stack_dir, True)  # also if the cluster is never closed
         self._beats = ctx.Array("Q", self.world_size, lock=False)  # each rank's progress counter
@@ -392,16 +441,23 @@ class LocalCluster:
             ctx.Process(
                 target=_worker,
                 args=(r, self.world_size, port, self.timeout_s, self.threads, self._tasks[r], pipes[r][1],
-                      os.getpid(), self._stack_path(r), self._beats, self._started),
+                      os.getpid(), self._stack_path(r), self._beats, self._started, fork,
+                      sock.fileno() if fork else None),
                 daemon=True,
                 name=f"ditsp-rank-{r}",
             )
             for r in range(self.world_size)
         ]
-        for p in self._procs:
-            p.start()
+        try:
+            for p in self._procs:
+                p.start()
+        except BaseException:
+            sock.close()
+            self.close(force=True)
+            raise
         for _, writer in pipes:
             writer.close()  # the ranks hold theirs: a rank's end closing means the rank is gone
+        self._store, self._addr = loopback_store(self.world_size, max(_START_S, self.timeout_s), sock)
         self._collect(-1, max(_START_S, self.timeout_s), "start-up", idle=False)
 
     def _stack_path(self, rank: int) -> str:

@@ -42,6 +42,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..distributed.comm import Comm
+from ..models.meta import meta_device
 from ..distributed.elastic import STORE_PREFIX, ElasticGroup  # noqa: F401 - STORE_PREFIX re-exported
 from ..distributed.launcher import _loopback_ifname, die_with_parent, error_line
 from ..weights import is_quantized
@@ -121,7 +122,7 @@ def _quantized(models) -> bool:
 
 def _skeleton(spec):
     """The DiT and VAE of ``spec`` with unallocated storage (no initialisation, no file read)."""
-    with torch.device("meta"):
+    with meta_device():
         dit = NaDiT(get_config(spec.model))
         vae = VideoVAE(VAE_PRESETS[MODELS[spec.model]])
     return dit.to_empty(device="cpu"), vae.to_empty(device="cpu")

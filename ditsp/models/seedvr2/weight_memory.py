@@ -11,13 +11,14 @@ from ...weights.sizing import WeightBytes, by_format, of_checkpoint
 from .nadit.config import get_config
 from .nadit.model import NaDiT
 from ...weights.fp8 import canonical
+from ..meta import meta_device
 
 
 @lru_cache(maxsize=16)
 def dit_shapes(model: str, layers: int | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name, shape) of every DiT tensor of a preset, from a meta build (nothing allocated)."""
 
-    with torch.device("meta"):
+    with meta_device():
         net = NaDiT(get_config(model, layers))
     return tuple((k, tuple(v.shape)) for k, v in net.state_dict().items())
 

@@ -30,6 +30,7 @@ from .vae import CheckpointError as VAECheckpointError
 from ...weights.fp8 import canonical
 from ...weights.shared import check_read
 from .nadit.checkpoint import load_text_embedding
+from ..meta import meta_device
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def _build(spec: WeightsSpec, device, comm=None) -> SeedVR2:
                       weights_dtype=spec.weights_dtype, comm=comm, read=spec.read)
     vae_cfg = VAE_PRESETS[MODELS[spec.model]]
     if spec.vae:
-        with torch.device("meta"):  # streamed: tensors are read one by one into the final dtype
+        with meta_device():  # streamed: tensors are read one by one into the final dtype
             vae = VideoVAE(vae_cfg)
         _load_vae(vae, spec.vae, dtype, spec.weights_dtype, comm, spec.read)
     else:

@@ -36,6 +36,7 @@ from .checkpoint import load_checkpoint
 from .config import NaDiTConfig, get_config
 from .heads import NormAdaHead, OutAda, PlainHead, RMSNormWeight  # noqa: F401 - OutAda/RMSNormWeight re-exported
 from .tokenwise import TokenLinear
+from ...meta import meta_device
 
 # variant -> (block class, output head)
 FAMILIES = {"3b": (NaMMSRBlock, NormAdaHead), "7b": (NaMMSRBlock7B, PlainHead)}
@@ -220,7 +221,7 @@ def build_model(cfg: NaDiTConfig | str, num_layers: int | None = None, checkpoin
 
     cfg = get_config(cfg, num_layers) if isinstance(cfg, str) else (cfg.with_layers(num_layers) if num_layers else cfg)
     if checkpoint:
-        with torch.device("meta"):
+        with meta_device():
             model = NaDiT(cfg)
         load_checkpoint(model, checkpoint, allow_truncated=allow_truncated, dtype=dtype, weights_dtype=weights_dtype,
                         comm=comm, read=read)

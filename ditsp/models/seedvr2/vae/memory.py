@@ -27,6 +27,7 @@ from .config import VaeConfig
 from .layouts import TimeLayout, even_split
 from .modes import AUTO_ORDER, BY_NAME, FALLBACK
 from .model import VideoVAE
+from ...meta import meta_device
 
 GiB = 1024 ** 3
 
@@ -185,9 +186,9 @@ def _walk_decoder(cfg: VaeConfig, wk: _Walk, shape, full_rows: int):
     wk.conv(0, w[-1], cfg.out_channels, shape, 3, 1, 1, "decoder.conv_out")
 
 
-@functools.lru_cache(maxsize=16)  # building the VAE, even on the meta device, costs ~1 s; estimates ask often
+@functools.lru_cache(maxsize=16)  # estimates ask often
 def num_params(cfg: VaeConfig) -> int:
-    with torch.device("meta"):
+    with meta_device():
         m = VideoVAE(cfg)
     return sum(p.numel() for p in m.parameters())
 

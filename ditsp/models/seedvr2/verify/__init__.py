@@ -28,6 +28,7 @@ from .vectors import REL_TOL, ClusterFactory, VectorSetError, detect_kind, forma
 from ..nadit import NaDiT
 from ..vae.config import VaeConfig
 from ..vae.model import VideoVAE
+from ...meta import meta_device
 
 __all__ = ["CHECKERS", "REL_TOL", "VectorSetError", "detect_kind", "estimate_bytes", "format_verify", "nadit_config",
            "read_config", "rel_err", "verify_vectors"]
@@ -40,7 +41,7 @@ def estimate_bytes(directory: str | os.PathLike) -> int:
     device, so nothing is allocated) twice (the model and the file's tensors while loading), plus the io file."""
     directory = os.fspath(directory)
     kind = detect_kind(read_config(directory))
-    with torch.device("meta"):
+    with meta_device():
         if kind == "nadit":
             model = NaDiT(nadit_config(read_config(directory), Path(directory).name))
         elif kind == "vae":
