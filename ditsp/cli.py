@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 
+from . import cpu_malloc
 from .commands import COMMANDS
 
 
@@ -43,7 +44,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None = None) -> None:
-    """The `ditsp` program: :func:`main`, then :func:`fast_exit` with its code."""
+    """The `ditsp` program: started again under the CPU allocator policy (:mod:`ditsp.cpu_malloc`)
+    when the command line is this process's own, then :func:`main`, then :func:`fast_exit` with its code."""
+    if argv is None:
+        try:
+            cpu_malloc.reexec()
+        except ValueError as e:  # an unknown DITSP_CPU_MALLOC
+            print(f"ditsp: {e}", file=sys.stderr)
+            fast_exit(2)
     fast_exit(main(argv))
 
 

@@ -15,6 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from . import cpu_malloc
 from .fixed_shape import DETERMINISTIC, FAST, linear_rows, use
 
 from .dtypes import DTYPES
@@ -97,7 +98,8 @@ def probe(model: str = "seedvr2-3b", dtypes=("fp32", "bf16")) -> dict:
     vae_width = (RELEASED if model.startswith("seedvr2") else TINY).widths[0]
     inner = cfg.heads * cfg.head_dim
     g = torch.Generator().manual_seed(0)
-    out = {"model": model, "cpu": cpu_capability(), "threads": torch.get_num_threads(), "checks": []}
+    out = {"model": model, "cpu": cpu_capability(), "threads": torch.get_num_threads(),
+           "cpu_malloc": cpu_malloc.describe(), "checks": []}
     for name in dtypes:
         dtype = DTYPES[name]
         for k, n in ((cfg.vid_dim, 3 * inner), (cfg.mlp_hidden, cfg.vid_dim)):
@@ -125,5 +127,6 @@ def format_probe(r: dict) -> str:
                    if r["holds"] else "the guarantee does NOT hold on these kernels: compare SP outputs within "
                    "tolerance (docs/determinism.md)"),
               "cost = deterministic / plain CPU time of that call alone (2048 rows; a 64x64 conv); "
-              "end-to-end figures: ditsp bench determinism"]
+              "end-to-end figures: ditsp bench determinism",
+              f"CPU allocator ({cpu_malloc.ENV}): {r['cpu_malloc']}"]
     return "\n".join(lines)

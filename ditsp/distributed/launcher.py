@@ -59,6 +59,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from .. import cpu_malloc
 from ..memory import check_local_ranks
 import ctypes
 from .heartbeat import install
@@ -449,8 +450,9 @@ class LocalCluster:
             for r in range(self.world_size)
         ]
         try:
-            for p in self._procs:
-                p.start()
+            with cpu_malloc.for_new_processes():  # spawned ranks start under it; forked ones share ours
+                for p in self._procs:
+                    p.start()
         except BaseException:
             sock.close()
             self.close(force=True)

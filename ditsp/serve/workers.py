@@ -41,6 +41,7 @@ from dataclasses import replace
 import torch
 import torch.multiprocessing as mp
 
+from .. import cpu_malloc
 from ..distributed.comm import Comm
 from ..models.meta import meta_device
 from ..distributed.elastic import STORE_PREFIX, ElasticGroup  # noqa: F401 - STORE_PREFIX re-exported
@@ -289,7 +290,8 @@ class Worker:
         self.proc = ctx.Process(target=_worker_main, name=f"ditsp-serve-worker-{index}", daemon=True,
                                 args=(index, port, timeout_s, threads, self.tasks, writer, self.progress,
                                       os.getpid(), self.beats))
-        self.proc.start()
+        with cpu_malloc.for_new_processes():
+            self.proc.start()
         writer.close()
         self.ready = False
         self.has_weights = False

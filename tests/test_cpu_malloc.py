@@ -1,0 +1,117 @@
+"""The CPU allocator policy: parsed as documented, applied by one restart of the program, inherited by
+spawned ranks, and doing what it says to the page faults of a big buffer allocated twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ditsp import cpu_malloc
+
+GLIBC = cpu_malloc.glibc_version() is not None
+needs_glibc = pytest.mark.skipif(not GLIBC, reason="GLIBC_TUNABLES is glibc's")
+
+
+def _env(**extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GLIBC_TUNABLES", cpu_malloc.ENV, cpu_malloc.APPLIED)}
+    env.update(extra)
+    return env
+
+
+def test_policy_default_case_and_unknown():
+    assert cpu_malloc.policy({}) == cpu_malloc.DEFAULT == "hugepages"
+    assert cpu_malloc.policy({cpu_malloc.ENV: " System "}) == "system"
+    with pytest.raises(ValueError, match=r"DITSP_CPU_MALLOC='huge' is not a policy: choose one of hugepages, system"):
+        cpu_malloc.policy({cpu_malloc.ENV: "huge"})
+
+
+@needs_glibc
+def test_rank_environment_keeps_what_the_user_set(monkeypatch):
+    monkeypatch.setattr(cpu_malloc, "glibc_version", lambda: (2, 36))
+    assert cpu_malloc.rank_environment({cpu_malloc.ENV: "system"}) == {}
+    assert cpu_malloc.rank_environment({}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    # another tunable stays and the policy's is added after it; a value the user gave the same key wins
+    assert cpu_malloc.rank_environment({"GLIBC_TUNABLES": "glibc.rtld.x=1"}) == {
+        "GLIBC_TUNABLES": "glibc.rtld.x=1:glibc.malloc.hugetlb=1"}
+    assert cpu_malloc.rank_environment({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {}
+    assert not cpu_malloc.in_effect({})
+    assert cpu_malloc.in_effect({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
+    monkeypatch.setattr(cpu_malloc, "glibc_version", lambda: (2, 34))  # hugetlb came with 2.35
+    assert cpu_malloc.rank_environment({}) == {}
+    assert "no effect here (glibc older than 2.35)" in cpu_malloc.describe({})
+
+
+def test_no_glibc_means_nothing_to_set(monkeypatch):
+    monkeypatch.setattr(cpu_malloc, "glibc_version", lambda: None)
+    assert cpu_malloc.rank_environment({}) == {}
+    assert cpu_malloc.in_effect({})
+    assert "no effect here (no glibc)" in cpu_malloc.describe({})
+
+
+@needs_glibc
+def test_reexec_restarts_once_with_the_tunables():
+    code = ("import os, sys; from ditsp import cpu_malloc; print('start', flush=True); cpu_malloc.reexec(); "
+            "print(os.environ.get('GLIBC_TUNABLES'), os.environ.get(cpu_malloc.APPLIED), sys.argv[1:])")
+    out = subprocess.run([sys.executable, "-c", code, "a b", "c"], env=_env(), capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split("\n")
+    entries = ":".join(cpu_malloc.tunables("hugepages"))
+    if entries:  # started twice, then the arguments as given
+        assert out[:3] == ["start", "start", f"{entries} 1 ['a b', 'c']"]
+    else:  # glibc older than 2.35: hugepages needs nothing, nothing restarts
+        assert out[:2] == ["start", "None None ['a b', 'c']"]
+
+
+def test_the_program_rejects_an_unknown_policy_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "ditsp.cli", "doctor"], env=_env(**{cpu_malloc.ENV: "fast"}),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr == "ditsp: DITSP_CPU_MALLOC='fast' is not a policy: choose one of hugepages, system\n"
+
+
+def _tunables_of_rank(ctx):
+    return os.environ.get("GLIBC_TUNABLES")
+
+
+@needs_glibc
+def test_spawned_ranks_start_under_the_policy(clusters, monkeypatch):
+    monkeypatch.delenv(cpu_malloc.ENV, raising=False)
+    expected = cpu_malloc.rank_environment().get("GLIBC_TUNABLES", os.environ.get("GLIBC_TUNABLES"))
+    before = dict(os.environ)
+    assert clusters(2).run(_tunables_of_rank) == [expected, expected]
+    assert dict(os.environ) == before  # the parent's own environment is left as it was
+
+
+_FAULTS = """
+import json, resource, torch
+def faults(n):
+    x = torch.empty(n, dtype=torch.uint8); x.fill_(1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    del x
+    y = torch.empty(n, dtype=torch.uint8); y.fill_(2)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults(64 << 20)
+print(json.dumps(faults(64 << 20)))
+"""
+
+
+def _second_buffer_faults(policy: str) -> int:
+    env = _env(**{cpu_malloc.ENV: policy})
+    env.update(cpu_malloc.rank_environment(env))
+    out = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, timeout=120,
+                         check=True)
+    return json.loads(out.stdout)
+
+
+@needs_glibc
+def test_hugepages_cut_the_faults_of_a_big_buffer():
+    if not cpu_malloc.tunables("hugepages") or cpu_malloc.transparent_hugepages() not in ("always", "madvise"):
+        pytest.skip("glibc older than 2.35 or transparent huge pages off: the policy changes nothing here")
+    pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+    if cpu_malloc.transparent_hugepages() == "madvise":  # ("always" gives huge pages to every big mapping)
+        assert _second_buffer_faults("system") > 0.9 * pages  # a 64 MiB block mapped afresh: every page faults
+    assert _second_buffer_faults("hugepages") < 0.25 * pages  # one fault per 2 MiB where huge pages are free
