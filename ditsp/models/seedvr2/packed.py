@@ -38,7 +38,7 @@ def _vec(ada, es, slot: int, part: int, name: str) -> torch.Tensor:
 
 
 def _mod_in(ada, x, es, slot, rid):
-    return x * _vec(ada, es, slot, SCALE, "scale")[rid] + _vec(ada, es, slot, SHIFT, "shift")[rid]
+    return (x * _vec(ada, es, slot, SCALE, "scale")[rid]).add_(_vec(ada, es, slot, SHIFT, "shift")[rid])
 
 
 def _mod_out(ada, x, es, slot, rid):
@@ -74,16 +74,16 @@ def _block(block, vid, txts, embs, rt: PackedWindowRuntime, layer: int):
     if not block.last:
         ats = [block.ada.get("txt").mod_in(at, e, ATTN) for at, e in zip(ats, es)]
     a, ats = _attn(block.attn, a, ats, rt, layer, txt_out=not block.last)
-    vid = vid + _mod_out(ada_v, a, es, ATTN, rid)
+    vid = _mod_out(ada_v, a, es, ATTN, rid).add_(vid)
     m = _mod_in(ada_v, rms_norm(vid, None, block.eps), es, MLP, rid)
-    vid = vid + _mod_out(ada_v, block.mlp.get("vid")(m), es, MLP, rid)
+    vid = _mod_out(ada_v, block.mlp.get("vid")(m), es, MLP, rid).add_(vid)
     if block.last:
         return vid, txts
     ada_t, out = block.ada.get("txt"), []
     for txt, at, e in zip(txts, ats, es):
-        txt = txt + ada_t.mod_out(at, e, ATTN)
+        txt = ada_t.residual(txt, at, e, ATTN)
         m = ada_t.mod_in(rms_norm(txt, None, block.eps), e, MLP)
-        out.append(txt + ada_t.mod_out(block.mlp.get("txt")(m), e, MLP))
+        out.append(ada_t.residual(txt, block.mlp.get("txt")(m), e, MLP))
     return vid, out
 
 

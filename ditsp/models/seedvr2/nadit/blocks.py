@@ -43,12 +43,22 @@ SHIFT, SCALE, GATE = 0, 1, 2
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, accumulated in fp32 (as apex FusedRMSNorm)."""
+    """RMSNorm over the last dim, accumulated in fp32 (as apex FusedRMSNorm).
+
+    Without autograd the products are taken in place on the fresh fp32 buffers (the same bits, fewer
+    passes over memory)."""
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    inplace = not torch.is_grad_enabled() and xf is not x
+    y = xf.mul_(r) if inplace else xf * r
     if weight is not None:
-        y = y * weight.float()
+        y = y.mul_(weight.float()) if not torch.is_grad_enabled() else y * weight.float()
     return y.to(x.dtype)
+
+
+def gated_residual(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x + update * gate`` with the sum taken in place on the fresh product (the same bits)."""
+    return (update * gate).add_(x)
 
 
 def emb_slots(emb: torch.Tensor) -> torch.Tensor:
@@ -94,10 +104,17 @@ class AdaSingle(nn.Module):
         name = self.layers[slot]
         scale = getattr(self, f"{name}_scale") + e[:, slot, SCALE]
         shift = getattr(self, f"{name}_shift") + e[:, slot, SHIFT]
-        return x * scale + shift
+        return (x * scale).add_(shift)  # the shift added in place to the fresh product: the same bits
+
+    def gate(self, e: torch.Tensor, slot: int) -> torch.Tensor:
+        return getattr(self, f"{self.layers[slot]}_gate") + e[:, slot, GATE]
 
     def mod_out(self, x: torch.Tensor, e: torch.Tensor, slot: int) -> torch.Tensor:
-        return x * (getattr(self, f"{self.layers[slot]}_gate") + e[:, slot, GATE])
+        return x * self.gate(e, slot)
+
+    def residual(self, x: torch.Tensor, update: torch.Tensor, e: torch.Tensor, slot: int) -> torch.Tensor:
+        """``x + mod_out(update)``."""
+        return gated_residual(x, update, self.gate(e, slot))
 
 
 class SwiGLU(nn.Module):
@@ -108,7 +125,10 @@ class SwiGLU(nn.Module):
         self.proj_out = TokenLinear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj_out(F.silu(self.proj_in_gate(x)) * self.proj_in(x))
+        gate = self.proj_in_gate(x)
+        if torch.is_grad_enabled():
+            return self.proj_out(F.silu(gate) * self.proj_in(x))
+        return self.proj_out(F.silu(gate, inplace=True).mul_(self.proj_in(x)))  # no new (rows, hidden) buffers
 
 
 class WindowMMAttention(nn.Module):
@@ -170,13 +190,13 @@ class NaMMSRBlock(nn.Module):
         if not self.last:
             at = self.ada.get("txt").mod_in(at, e, ATTN)
         a, at = self.attn(a, at, pack, runtime, layer, txt_out=not self.last)
-        vid = vid + ada_v.mod_out(a, e, ATTN)
+        vid = ada_v.residual(vid, a, e, ATTN)
         m = ada_v.mod_in(rms_norm(vid, None, self.eps), e, MLP)
-        vid = vid + ada_v.mod_out(self.mlp.get("vid")(m), e, MLP)
+        vid = ada_v.residual(vid, self.mlp.get("vid")(m), e, MLP)
         if self.last:  # text output discarded by the reference: leave it as it came in
             return vid, txt
         ada_t = self.ada.get("txt")
-        txt = txt + ada_t.mod_out(at, e, ATTN)
+        txt = ada_t.residual(txt, at, e, ATTN)
         m = ada_t.mod_in(rms_norm(txt, None, self.eps), e, MLP)
-        txt = txt + ada_t.mod_out(self.mlp.get("txt")(m), e, MLP)
+        txt = ada_t.residual(txt, self.mlp.get("txt")(m), e, MLP)
         return vid, txt

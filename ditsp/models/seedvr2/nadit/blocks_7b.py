@@ -61,12 +61,12 @@ class NaMMSRBlock7B(nn.Module):
         a = ada_v.mod_in(rms_norm(vid, None, self.eps), e, ATTN)
         at = ada_t.mod_in(rms_norm(txt, None, self.eps), e, ATTN)  # modulated in the last block too
         a, at = self.attn(a, at, pack, runtime, layer, txt_out=txt_out)
-        vid = vid + ada_v.mod_out(a, e, ATTN)
+        vid = ada_v.residual(vid, a, e, ATTN)
         m = ada_v.mod_in(rms_norm(vid, None, self.eps), e, MLP)
-        vid = vid + ada_v.mod_out(self.mlp["vid"](m), e, MLP)
+        vid = ada_v.residual(vid, self.mlp["vid"](m), e, MLP)
         if not txt_out:
             return vid, txt
-        txt = txt + ada_t.mod_out(at, e, ATTN)
+        txt = ada_t.residual(txt, at, e, ATTN)
         m = ada_t.mod_in(rms_norm(txt, None, self.eps), e, MLP)
-        txt = txt + ada_t.mod_out(self.mlp["txt"](m), e, MLP)
+        txt = ada_t.residual(txt, self.mlp["txt"](m), e, MLP)
         return vid, txt
