@@ -119,13 +119,16 @@ def reexec() -> None:
     Called first thing by the ``ditsp`` program, before torch is imported (the restart costs about
     30 ms). Does nothing where the policy needs nothing or the process already started with it."""
     extra = rank_environment()
-    if not extra or os.environ.get(APPLIED) == "1":
-        return
+    if not extra or os.environ.get(APPLIED) == "1" or not sys.executable or len(getattr(sys, "orig_argv", ())) < 2:
+        return  # nothing to apply, applied already, or no way to start this program again: run as started
     env = dict(os.environ, **extra, **{APPLIED: "1"})
     argv = [sys.executable, *sys.orig_argv[1:]]
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, argv, env)
+    try:
+        os.execve(sys.executable, argv, env)
+    except OSError:  # the interpreter cannot be started again here: run under glibc's own behaviour
+        return
 
 
 def describe(environ=None) -> str:

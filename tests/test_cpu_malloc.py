@@ -115,3 +115,20 @@ def test_hugepages_cut_the_faults_of_a_big_buffer():
     if cpu_malloc.transparent_hugepages() == "madvise":  # ("always" gives huge pages to every big mapping)
         assert _second_buffer_faults("system") > 0.9 * pages  # a 64 MiB block mapped afresh: every page faults
     assert _second_buffer_faults("hugepages") < 0.25 * pages  # one fault per 2 MiB where huge pages are free
+
+
+def test_reexec_runs_on_when_the_program_cannot_start_again(monkeypatch):
+    calls = []
+
+    def refuse(*args):
+        calls.append(args)
+        raise PermissionError("no exec here")
+
+    monkeypatch.setattr(cpu_malloc, "rank_environment", lambda environ=None: {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
+    monkeypatch.delenv(cpu_malloc.APPLIED, raising=False)
+    monkeypatch.setattr(os, "execve", refuse)
+    cpu_malloc.reexec()  # returns: this process goes on as it started
+    assert len(calls) == 1
+    monkeypatch.setenv(cpu_malloc.APPLIED, "1")
+    cpu_malloc.reexec()  # applied once already: never a second restart
+    assert len(calls) == 1
