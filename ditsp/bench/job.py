@@ -35,7 +35,7 @@ PHASES = ("start", "weights", "restore", "finish")
 PHASE_LABELS = {"start": "start: launch to every rank running (imports, spawn, group)",
                 "weights": "weights load", "restore": "restoration (stages and between)",
                 "finish": "finish: results back, exit"}
-_CLI = "import sys; from ditsp.cli import run; run(sys.argv[1:])"  # as the `ditsp` program does
+_CLI = "from ditsp.cli import run; run()"  # as the `ditsp` program does (its allocator restart included)
 
 
 def _children_cpu() -> float:
