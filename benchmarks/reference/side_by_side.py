@@ -507,6 +507,8 @@ def run(args) -> None:
     done = {(r["case"], r["side"], r["rep"], r.get("kind", "timing")) for r in _load_log(log)}
     t_start = time.time()
     max_reps = max(c["reps"] for c in cases)
+    if args.max_reps:
+        max_reps = min(max_reps, args.max_reps)
     for rep in range(max_reps):
         for case in cases:
             if rep >= case["reps"]:
@@ -555,8 +557,9 @@ def _rel(a, b) -> float:
 
 def _git_rev() -> str:
     try:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                             text=True, check=True).stdout.strip()
+        # the last commit that changed the package (the harness's own commits do not change what is measured)
+        rev = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h", "--abbrev=12", "--", "ditsp"],
+                             capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "ditsp"], capture_output=True,
                                text=True).stdout.strip()
         return rev + ("+dirty" if dirty else "")
@@ -665,7 +668,9 @@ def format_markdown(meta: dict, rows: list[dict], profiles: list[dict]) -> list[
         "ditsp / reference of CPU seconds (the per-repetition ratios in brackets); below 1 means ditsp is "
         "faster. `ditsp` runs under `FAST` with its allocator policy "
         f"(`GLIBC_TUNABLES={meta['ditsp_environment']}`); `ditsp, system malloc` is the same without it. "
-        "Peak = the process's peak RSS (weights included). rel. diff = max |ditsp - ref| / max |ref| on the "
+        "Peak = the process's peak RSS over the warm-up and timed calls (weights included; the kernel's "
+        "high-water mark is reset after the build, whose own peak is in the JSON as `rss_after_build_mib`). "
+        "rel. diff = max |ditsp - ref| / max |ref| on the "
         "same dtype.",
         "",
         "| case | reps | ref CPU s | ditsp CPU s | CPU ratio ditsp/ref | wall ratio | ditsp, system malloc: "
@@ -713,6 +718,7 @@ def main(argv=None) -> None:
     q.add_argument("--ditsp-python", type=Path, default=Path(sys.executable))
     q.add_argument("--core", type=int, default=1, help="the core the measured processes are pinned to")
     q.add_argument("--optional", action="store_true", help="add the VAE 17x256x256 fp32 cases")
+    q.add_argument("--max-reps", type=int, default=None, help="stop after this many repetitions")
     q.add_argument("--only", nargs="*", help="only cases whose name contains one of these strings")
     q.add_argument("--profile-case", default="dit 5x64x64 bf16", help="profile this case on both sides ('' = none)")
     q.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")

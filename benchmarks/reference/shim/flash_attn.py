@@ -21,10 +21,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     bk = [int(x) for x in cu_seqlens_k.tolist()]
     outs = []
     for i in range(len(bq) - 1):
-        # (L, h, d) -> (h, L, d): SDPA batches over the leading head dim
-        qs = q[bq[i]:bq[i + 1]].transpose(0, 1)
-        ks = k[bk[i]:bk[i + 1]].transpose(0, 1)
-        vs = v[bk[i]:bk[i + 1]].transpose(0, 1)
+        # (L, h, d) -> (1, h, L, d): 4-D inputs, so SDPA takes torch's fused CPU kernel (3-D ones fall
+        # back to the unfused math path)
+        qs = q[bq[i]:bq[i + 1]].transpose(0, 1)[None]
+        ks = k[bk[i]:bk[i + 1]].transpose(0, 1)[None]
+        vs = v[bk[i]:bk[i + 1]].transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(qs, ks, vs, scale=softmax_scale)
-        outs.append(o.transpose(0, 1))
+        outs.append(o[0].transpose(0, 1))
     return torch.cat(outs, dim=0)
