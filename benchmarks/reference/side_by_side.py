@@ -635,7 +635,7 @@ def report(args) -> None:
     meta = {"cpu_capability": _cpu_capability(), "ditsp_revision": _git_rev(), "torch": torch.__version__,
             "reference": f"ByteDance-Seed/SeedVR {REFERENCE_COMMIT}", "layers": args.layers,
             "total_process_wall_s": measured_s, "runs": len(runs), "pinned_core": args.core,
-            "ditsp_environment": _ditsp_env("ditsp").get("GLIBC_TUNABLES", "")}
+            "ditsp_environment": _ditsp_env("ditsp").get("GLIBC_TUNABLES", ""), "notes": args.note or []}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "reference.json").write_text(json.dumps({"meta": meta, "cases": out_cases, "summary": rows,
                                                          "runs": runs}, indent=1) + "\n")
@@ -680,7 +680,7 @@ def format_markdown(meta: dict, rows: list[dict], profiles: list[dict]) -> list[
     for r in rows:
         sys_ratio = _fmt_ratio(r, "ditsp-system")
         sys_peak = f"{r['ditsp-system']['peak_rss_mib']:.0f}" if "ditsp-system" in r else ""
-        diff = f"{r['rel_diff']:.1e}" if "rel_diff" in r else ""
+        diff = ("0 (bit-identical)" if r["rel_diff"] == 0 else f"{r['rel_diff']:.1e}") if "rel_diff" in r else ""
         lines.append(f"| {r['case']} | {len(r['reps'])} | {r['ref']['cpu_s']:.2f} | {r['ditsp']['cpu_s']:.2f} | "
                      f"{_fmt_ratio(r, 'ditsp')} | {r['ditsp']['wall_ratio']:.2f} | {sys_ratio} | "
                      f"{r['ref']['peak_rss_mib']:.0f} | {r['ditsp']['peak_rss_mib']:.0f} | {sys_peak} | {diff} |")
@@ -695,6 +695,8 @@ def format_markdown(meta: dict, rows: list[dict], profiles: list[dict]) -> list[
         lines += ["", f"Profile, {p['case']}, {p['side']}: top ops by self CPU time (one warm call)", "",
                   "| op | calls | self CPU ms | share |", "| --- | ---: | ---: | ---: |"]
         lines += [f"| `{name}` | {n} | {ms:.1f} | {pct:.1f}% |" for name, n, ms, pct in p["profile"]]
+    if meta.get("notes"):
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in meta["notes"]]
     lines += ["", f"{meta['runs']} processes, {meta['total_process_wall_s'] / 60:.1f} minutes of process wall time."]
     return lines
 
@@ -722,8 +724,10 @@ def main(argv=None) -> None:
     q.add_argument("--only", nargs="*", help="only cases whose name contains one of these strings")
     q.add_argument("--profile-case", default="dit 5x64x64 bf16", help="profile this case on both sides ('' = none)")
     q.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    q.add_argument("--note", action="append", help="a line for the report's notes (repeatable)")
     q = common(sub.add_parser("report", help="write the table and JSON from runs.jsonl"))
     q.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    q.add_argument("--note", action="append", help="a line for the report's notes (repeatable)")
     q.add_argument("--core", type=int, default=1)
     common(sub.add_parser("prepare-reference", help="(reference env) build, seed and save the reference's weights"))
     common(sub.add_parser("prepare-inputs", help="(ditsp env) write the inputs"))
