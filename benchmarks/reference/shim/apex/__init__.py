@@ -1,0 +1,1 @@
+"""CPU stand-in for the parts of NVIDIA apex the SeedVR reference imports (``apex.normalization``)."""
