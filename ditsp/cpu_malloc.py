@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import contextmanager
-from typing import Iterator
+
+from .scoped_env import scoped_env
 
 ENV = "DITSP_CPU_MALLOC"
 POLICIES = ("hugepages", "system")
@@ -91,21 +91,10 @@ def rank_environment(environ=None) -> dict[str, str]:
     return {} if merged == existing else {"GLIBC_TUNABLES": merged}
 
 
-@contextmanager
-def for_new_processes() -> Iterator[None]:
-    """Processes started inside the block (spawned ranks, server workers) start under the policy; this
+def for_new_processes():
+    """A block inside which started processes (spawned ranks, server workers) start under the policy; this
     process's own environment is as before once the block ends."""
-    extra = rank_environment()
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return scoped_env(rank_environment())
 
 
 def in_effect(environ=None) -> bool:

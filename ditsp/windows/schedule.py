@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import math
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
+from ..scoped_env import scoped_env
 from .geometry import NUM_WINDOWS, WindowLayout, canonical_method, check_grid, short_name, window_counts, window_layout
 from .plan import Plan, Transition, transition
 from .planners import plan_layouts
@@ -164,23 +164,15 @@ def current_limits() -> tuple[int, float]:
             _env_limit(ENV_MAX_SECONDS, 1.0, MAX_PLAN_SECONDS))
 
 
-@contextmanager
-def plan_limits(max_gib: float | None = None, max_seconds: float | None = None) -> Iterator[None]:
+def plan_limits(max_gib: float | None = None, max_seconds: float | None = None):
     """Raise (or lower) the planning limits for the duration of the block, through the
     environment, so local ranks spawned inside it plan under the same limits."""
-    saved = {k: os.environ.get(k) for k in (ENV_MAX_GIB, ENV_MAX_SECONDS)}
-    try:
-        if max_gib is not None:
-            os.environ[ENV_MAX_GIB] = repr(float(max_gib))
-        if max_seconds is not None:
-            os.environ[ENV_MAX_SECONDS] = repr(float(max_seconds))
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    values = {}
+    if max_gib is not None:
+        values[ENV_MAX_GIB] = repr(float(max_gib))
+    if max_seconds is not None:
+        values[ENV_MAX_SECONDS] = repr(float(max_seconds))
+    return scoped_env(values)
 
 
 def check_plan_size(
