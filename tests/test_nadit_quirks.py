@@ -24,9 +24,9 @@ def test_ada_reads_the_stride6_interleaved_embedding_without_implicit_one():
     c = torch.arange(D, dtype=torch.float32)
     x = torch.full((2, D), 2.0)
     assert torch.equal(ada.mod_in(x, e, ATTN)[0], 2 * (6 * c + 1) + (6 * c + 0))
-    assert torch.equal(ada.mod_out(x, e, ATTN)[0], 2 * (6 * c + 2))
+    assert torch.equal(ada.residual(x, x, e, ATTN)[0], 2 * (6 * c + 2) + 2)
     assert torch.equal(ada.mod_in(x, e, MLP)[0], 2 * (6 * c + 4) + (6 * c + 3))
-    assert torch.equal(ada.mod_out(x, e, MLP)[0], 2 * (6 * c + 5))
+    assert torch.equal(ada.residual(x, x, e, MLP)[0], 2 * (6 * c + 5) + 2)
 
 
 def _capture(model, vid, txt):

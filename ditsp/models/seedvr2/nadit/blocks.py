@@ -56,11 +56,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
-def gated_residual(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``x + update * gate`` with the sum taken in place on the fresh product (the same bits)."""
-    return (update * gate).add_(x)
-
-
 def emb_slots(emb: torch.Tensor) -> torch.Tensor:
     """(6D,) time embedding -> (D, 2, 3) = (channel, attn|mlp, shift|scale|gate)."""
     return emb.view(-1, 2, 3)
@@ -106,15 +101,9 @@ class AdaSingle(nn.Module):
         shift = getattr(self, f"{name}_shift") + e[:, slot, SHIFT]
         return (x * scale).add_(shift)  # the shift added in place to the fresh product: the same bits
 
-    def gate(self, e: torch.Tensor, slot: int) -> torch.Tensor:
-        return getattr(self, f"{self.layers[slot]}_gate") + e[:, slot, GATE]
-
-    def mod_out(self, x: torch.Tensor, e: torch.Tensor, slot: int) -> torch.Tensor:
-        return x * self.gate(e, slot)
-
     def residual(self, x: torch.Tensor, update: torch.Tensor, e: torch.Tensor, slot: int) -> torch.Tensor:
-        """``x + mod_out(update)``."""
-        return gated_residual(x, update, self.gate(e, slot))
+        """``x + update * gate``, the sum taken in place on the fresh product (the same bits)."""
+        return (update * (getattr(self, f"{self.layers[slot]}_gate") + e[:, slot, GATE])).add_(x)
 
 
 class SwiGLU(nn.Module):
