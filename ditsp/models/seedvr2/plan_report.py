@@ -38,7 +38,7 @@ def memory_estimate(schedule: SchedulePlan, cfg: NaDiTConfig, dtype_bytes: int =
     b, d, p = dtype_bytes, cfg.vid_dim, schedule.world_size
     n = max(int(plan.rank_tokens.max()) for plan in schedule.plans.values())
     N = schedule.num_tokens
-    hidden = cfg.mlp_hidden * (3 if cfg.variant == "3b" else 2)  # SwiGLU: gate, product, in; GELU: fc1, act
+    hidden = cfg.mlp_hidden * 2  # SwiGLU: gate and in-projection (SiLU and product in place); GELU: fc1, act
     mlp = n * (4 * d + hidden) * b
     attention = int(n * ATTN_ROWS * d * b)
     exchange = n * 4 * d * b
