@@ -79,8 +79,9 @@ def all_cases(include_optional: bool) -> list[dict]:
                 cases.append(_case(f"vae {op} {'x'.join(map(str, shape))} {dtype}", "vae", op, shape, dtype, reps,
                                    calls, sides))
     if include_optional:
-        for op in ("encode", "decode"):
-            cases.append(_case(f"vae {op} 17x256x256 fp32", "vae", op, (17, 256, 256), "fp32", 2, 1, two))
+        for dtype in ("fp32", "bf16"):
+            for op in ("encode", "decode"):
+                cases.append(_case(f"vae {op} 17x256x256 {dtype}", "vae", op, (17, 256, 256), dtype, 2, 1, two))
     return cases
 
 
@@ -719,7 +720,7 @@ def main(argv=None) -> None:
     q.add_argument("--ref-python", type=Path, default=DEFAULT_REF_PYTHON)
     q.add_argument("--ditsp-python", type=Path, default=Path(sys.executable))
     q.add_argument("--core", type=int, default=1, help="the core the measured processes are pinned to")
-    q.add_argument("--optional", action="store_true", help="add the VAE 17x256x256 fp32 cases")
+    q.add_argument("--optional", action="store_true", help="add the VAE 17x256x256 cases (fp32 and bf16)")
     q.add_argument("--max-reps", type=int, default=None, help="stop after this many repetitions")
     q.add_argument("--only", nargs="*", help="only cases whose name contains one of these strings")
     q.add_argument("--profile-case", default="dit 5x64x64 bf16", help="profile this case on both sides ('' = none)")
