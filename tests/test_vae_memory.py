@@ -85,6 +85,7 @@ def test_winograd_filters_are_the_caches_an_encode_and_decode_build(monkeypatch,
     if winograd._op is None:
         pytest.skip("no oneDNN linear in this build")
     monkeypatch.setattr(winograd, "BUILD_PIXELS", 0)  # every qualifying conv builds on its first call
+    monkeypatch.setattr(winograd, "BUILD_PIXELS_BF16", 0)
     monkeypatch.delenv(winograd.ENV, raising=False)
     cfg = RELEASED.with_widths((64, 128, 256, 256))
     vae = seeded_vae(cfg).to(dtype)

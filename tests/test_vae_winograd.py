@@ -51,6 +51,7 @@ def everywhere(monkeypatch):
     monkeypatch.setattr(winograd, "RULES", ((1, 1, 1),))
     monkeypatch.setattr(winograd, "MIN_COUT", 1)
     monkeypatch.setattr(winograd, "BUILD_PIXELS", 0)  # transform on the first call, however small
+    monkeypatch.setattr(winograd, "BUILD_PIXELS_BF16", 0)
     monkeypatch.delenv(winograd.ENV, raising=False)
 
 
@@ -322,3 +323,20 @@ def test_height_slabs_with_winograd_match_one_device_direct(clusters, monkeypatc
     z2, dec2 = clusters(2).run(height_slabs_with_winograd)[0]
     assert 0 < rel(z2, ref[0].double()) < VAE_REL
     assert 0 < rel(dec2, ref[1].double()) < VAE_REL
+
+
+def test_bf16_filters_wait_for_their_own_break_even(everywhere, calls, monkeypatch):
+    """A bf16 conv saves less per pixel against oneDNN's faster direct bf16 conv: its build waits for
+    BUILD_PIXELS_BF16, not the float32 count."""
+    monkeypatch.setattr(winograd, "RULES_BF16", ((1, 1, 1),))
+    monkeypatch.setattr(winograd, "MIN_COUT_BF16", 1)
+    monkeypatch.setattr(winograd, "BUILD_PIXELS", 3 * 8 * 8)
+    monkeypatch.setattr(winograd, "BUILD_PIXELS_BF16", 3 * 3 * 8 * 8)
+    conv = CausalConv3d(16, 16).bfloat16()
+    small = torch.randn(1, 16, 5, 8, 8).bfloat16()  # 3 frames of 8x8 out: the float32 count in one call
+    with use(FAST), torch.no_grad():
+        conv.apply(small)
+        conv.apply(small)
+        assert not calls and conv.winograd.filters is None
+        conv.apply(small)
+        assert len(calls) == 1 and conv.winograd.filters is not None

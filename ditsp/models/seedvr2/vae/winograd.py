@@ -55,12 +55,15 @@ RULES = ((256, 32, 1), (128, 128, 3))  # (input channels at least, then GEMM row
 MIN_COUT_BF16 = 256
 RULES_BF16 = ((256, 32, 1),)
 # A conv's filters are transformed (and packed) once its Winograd-eligible calls, this one included, reach
-# this many output pixels (frames x rows x columns); until then it runs direct. Transforming costs ~1.5 us
+# this many output pixels (frames x rows x columns); until then it runs direct. Transforming costs 0.3-1.7 us
 # per (in, out) channel pair on this VM (mostly page faults of the new 4x-weight-sized buffers) and saves
-# ~0.2 ns per pair per output pixel: a big call builds at once and pays it back by itself, a small conv
-# first runs direct for about what the transform costs (so a short session never pays more than twice the
-# best choice in hindsight), and a conv that runs once in a small one-shot clip never pays it.
+# ~0.12-0.17 ns per pair per output pixel in float32: a big call builds at once and pays it back by itself,
+# a small conv first runs direct for about what the transform costs (so a short session never pays more than
+# twice the best choice in hindsight), and a conv that runs once in a small one-shot clip never pays it.
 BUILD_PIXELS = 8192
+# bfloat16 saves only 0.014-0.06 ns per pair per pixel against oneDNN's twice-as-fast direct bf16 conv, for the
+# same build cost, so its break-even is about four times later (benchmarks/results/vae-winograd-bf16.md).
+BUILD_PIXELS_BF16 = 32768
 
 TILE = 4  # outputs per tile side: F(4x4, 3x3) reads 6x6 input tiles
 _N = TILE + 2
@@ -167,7 +170,8 @@ class WeightCache:
         """Whether a call with ``pixels`` output pixels (frames x rows x cols) should run by Winograd now.
 
         Yes when the filters of this weight are cached, or when this weight's calls so far, this one
-        included, reach :data:`BUILD_PIXELS` (the caller then builds them); no otherwise (run direct).
+        included, reach :data:`BUILD_PIXELS` (:data:`BUILD_PIXELS_BF16` for a bfloat16 weight; the caller then
+        builds them); no otherwise (run direct).
         """
         key = self._key(weight)
         if self.key == key and self.filters is not None:
@@ -175,7 +179,7 @@ class WeightCache:
         if self.seen != key:
             self.seen, self.pixels = key, 0
         self.pixels += pixels
-        return self.pixels >= BUILD_PIXELS
+        return self.pixels >= (BUILD_PIXELS_BF16 if weight.dtype == torch.bfloat16 else BUILD_PIXELS)
 
     def get(self, weight: torch.Tensor, rows: int) -> list[list[torch.Tensor]]:
         """The 36 x 3 filter matrices (C_out, C_in) of ``weight``, packed for oneDNN GEMMs of ``rows`` rows."""
