@@ -44,13 +44,23 @@ def _cos_sin(rope_dim: int, theta: float, shape: tuple, txt_len: int, device: st
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of the first ``2*cos.shape[-1]`` channels of x (..., rows, H, D), in fp32."""
+    """Rotate interleaved pairs of the first ``2*cos.shape[-1]`` channels of x (..., rows, H, D), in fp32.
+
+    Each rotated value is ``x0 c - x1 s`` (or ``x1 c + x0 s``) with both products rounded to fp32, then
+    rounded once to x's dtype. A bf16 ``x`` times the fp32 tables promotes exactly (no fp32 copy of x),
+    the sums are taken in place on the fresh products and written straight into the output's
+    interleaved slots, and the unrotated channels are copied as they are: the same bits as rotating a
+    float copy of x, with about half the memory passes.
+    """
     r = 2 * cos.shape[-1]
-    xf = x.float()
-    x0, x1 = xf[..., :r].unflatten(-1, (-1, 2)).unbind(-1)
+    x0, x1 = x[..., :r].unflatten(-1, (-1, 2)).unbind(-1)
     c, s = cos[:, None, :], sin[:, None, :]
-    out = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).flatten(-2)
-    return torch.cat((out, xf[..., r:]), dim=-1).to(x.dtype)
+    out = torch.empty_like(x)
+    pairs = out[..., :r].unflatten(-1, (-1, 2))
+    pairs[..., 0].copy_((x0 * c).sub_(x1 * s))
+    pairs[..., 1].copy_((x1 * c).add_(x0 * s))
+    out[..., r:] = x[..., r:]
+    return out
 
 
 class RopeBuffer(nn.Module):
