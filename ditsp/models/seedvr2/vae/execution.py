@@ -216,7 +216,7 @@ class Exec:
             if self.time_chain and self.comm.rank < self.comm.world_size - 1:
                 pending = post_to_next(self.comm, tail)
             if self.carry is not None:
-                self.carry[layer] = tail.contiguous().clone()
+                self.carry[layer] = tail.clone(memory_format=torch.contiguous_format)  # one copy, owned
             n_out = _ceil_div(a + T, st) - _ceil_div(a, st)
             if past is None and T == 1 and self.image_fast_path:
                 # Clip start with one frame (an image): every tap sees frame 0, so the taps are
