@@ -519,6 +519,8 @@ def run(args) -> None:
                 if (case["name"], side, rep, "timing") in done:
                     continue
                 res = run_one(side, case, rep, args)
+                if side != "ref":
+                    res["ditsp_rev"] = _git_rev()  # the code this run measured (rows may mix revisions)
                 with log.open("a") as f:
                     f.write(json.dumps(res) + "\n")
                 best = min(c[1] for c in res["calls"])
@@ -602,6 +604,7 @@ def report(args) -> None:
                 continue
             reps = sorted(by[side])
             row[side] = {"cpu_s": statistics.median(best(by[side][k], 1) for k in reps),
+                         "revs": sorted({by[side][k].get("ditsp_rev", "") for k in reps} - {""}),
                          "wall_s": statistics.median(best(by[side][k], 0) for k in reps),
                          "peak_rss_mib": max(by[side][k]["peak_rss_mib"] for k in reps),
                          "rss_after_build_mib": max(by[side][k]["rss_after_build_mib"] for k in reps),
@@ -633,7 +636,7 @@ def report(args) -> None:
     profiles = [r for r in runs if r.get("kind") == "profile"]
     measured_s = sum(r["process_s"] for r in runs)
     revs = sorted({r.get("ditsp_rev", "") for r in runs} - {""})
-    meta = {"cpu_capability": _cpu_capability(), "ditsp_revision": _git_rev(), "torch": torch.__version__,
+    meta = {"cpu_capability": _cpu_capability(), "ditsp_revisions": revs, "torch": torch.__version__,
             "reference": f"ByteDance-Seed/SeedVR {REFERENCE_COMMIT}", "layers": args.layers,
             "total_process_wall_s": measured_s, "runs": len(runs), "pinned_core": args.core,
             "ditsp_environment": _ditsp_env("ditsp").get("GLIBC_TUNABLES", ""), "notes": args.note or []}
@@ -642,7 +645,6 @@ def report(args) -> None:
                                                          "runs": runs}, indent=1) + "\n")
     (args.out / "reference.md").write_text("\n".join(format_markdown(meta, rows, profiles)) + "\n")
     print((args.out / "reference.md").read_text())
-    _ = revs
 
 
 def _fmt_ratio(row, side) -> str:
@@ -657,7 +659,8 @@ def format_markdown(meta: dict, rows: list[dict], profiles: list[dict]) -> list[
         "# ditsp vs the SeedVR reference, side by side on CPU (`benchmarks/reference/side_by_side.py`)",
         "",
         f"{meta['cpu_capability']}; torch {meta['torch']}; one thread, pinned to core {meta['pinned_core']}; "
-        f"ditsp revision {meta['ditsp_revision']}; reference {meta['reference']}.",
+        f"ditsp revisions {', '.join(meta['ditsp_revisions']) or 'unknown'} (per row below); reference "
+        f"{meta['reference']}.",
         "",
         f"DiT: 3B widths, {meta['layers']} blocks, text length {TXT_LEN}, t = {TIMESTEP:g}; latent T x H x W "
         "(pre-patch). VAE: released widths, one device, pixel T x H x W; ditsp `ParallelVAE(vae, None)` in "
@@ -674,15 +677,16 @@ def format_markdown(meta: dict, rows: list[dict], profiles: list[dict]) -> list[
         "rel. diff = max |ditsp - ref| / max |ref| on the "
         "same dtype.",
         "",
-        "| case | reps | ref CPU s | ditsp CPU s | CPU ratio ditsp/ref | wall ratio | ditsp, system malloc: "
-        "CPU ratio | ref peak MiB | ditsp peak MiB | ditsp system-malloc peak MiB | rel. diff |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| case | ditsp rev | reps | ref CPU s | ditsp CPU s | CPU ratio ditsp/ref | wall ratio | ditsp, system "
+        "malloc: CPU ratio | ref peak MiB | ditsp peak MiB | ditsp system-malloc peak MiB | rel. diff |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         sys_ratio = _fmt_ratio(r, "ditsp-system")
         sys_peak = f"{r['ditsp-system']['peak_rss_mib']:.0f}" if "ditsp-system" in r else ""
         diff = ("0 (bit-identical)" if r["rel_diff"] == 0 else f"{r['rel_diff']:.1e}") if "rel_diff" in r else ""
-        lines.append(f"| {r['case']} | {len(r['reps'])} | {r['ref']['cpu_s']:.2f} | {r['ditsp']['cpu_s']:.2f} | "
+        rev = ", ".join(r["ditsp"].get("revs", [])) or "?"
+        lines.append(f"| {r['case']} | {rev} | {len(r['reps'])} | {r['ref']['cpu_s']:.2f} | {r['ditsp']['cpu_s']:.2f} | "
                      f"{_fmt_ratio(r, 'ditsp')} | {r['ditsp']['wall_ratio']:.2f} | {sys_ratio} | "
                      f"{r['ref']['peak_rss_mib']:.0f} | {r['ditsp']['peak_rss_mib']:.0f} | {sys_peak} | {diff} |")
     extra = [r for r in rows if "ditsp_vs_ref_fp32" in r]
