@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ....attention.window import WindowPack
+from ....row_blocks import rows_per_block
 from .config import NaDiTConfig
 from .rope import MMRope3d, RopeBuffer
 from .tokenwise import TokenLinear, mark_replicated_rows
@@ -44,23 +45,18 @@ RUNTIME_CALLS = ("attend", "reduce_text")
 SHIFT, SCALE, GATE = 0, 1, 2
 
 
-# Rows per rms_norm block (inference): the fp32 working copy of a block stays about this size, so every pass
-# of the norm runs in cache instead of on whole-activation buffers freshly mapped (and page-faulted) per call.
-NORM_BLOCK_BYTES = 1 << 20
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, accumulated in fp32 (as apex FusedRMSNorm).
 
-    Without autograd the rows go through in blocks of about :data:`NORM_BLOCK_BYTES` of fp32, each
-    through one reused buffer: every op is per element or per row, so the bits are those of the whole
+    Without autograd the rows go through in cache-sized blocks (:mod:`ditsp.row_blocks`), each
+    through one reused fp32 buffer: every op is per element or per row, so the bits are those of the whole
     tensor at once (a 5120 x 2560 bf16 norm: 54 -> 7 ms on one core). Autograd, CUDA and compiled
     graphs (which fuse the chain themselves) take the whole tensor at once."""
     if torch.is_grad_enabled() or x.dim() < 2 or x.device.type != "cpu" or torch.compiler.is_compiling():
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return (y * weight.float() if weight is not None else y).to(x.dtype)
-    rows = max(1, NORM_BLOCK_BYTES // (4 * max(1, math.prod(x.shape[1:]))))
+    rows = rows_per_block(4 * math.prod(x.shape[1:]))
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     buf = torch.empty((min(rows, x.shape[0]),) + tuple(x.shape[1:]), dtype=torch.float32, device=x.device)
     wf = weight.float() if weight is not None else None

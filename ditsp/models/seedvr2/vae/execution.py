@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ....distributed.comm import Comm
 from ....distributed.halo import exchange_rows, post_to_next, recv_from_prev
+from ....row_blocks import rows_per_block
 from ..compiled import fused_norm
 
 
@@ -116,12 +117,9 @@ def row_moments(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tenso
     return gm, g2
 
 
-# Rows per block of :func:`_blocked_row_moments`: its float32 working buffer stays about this size.
-MOMENT_BLOCK_BYTES = 1 << 20
-
-
 def _blocked_row_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`row_moments`' per-row mean and M2 (float64) of ``rows`` (N, W) on CPU, a block of rows at a time.
+    """:func:`row_moments`' per-row mean and M2 (float64) of ``rows`` (N, W) on CPU, a cache-sized block of
+    rows at a time (:mod:`ditsp.row_blocks`).
 
     The same ops on the same rows as the whole-tensor expressions (float32/64: the mean, then the sum
     of squared deviations; 16-bit: float32 sums of x and x^2), so the same bits; but the working copy
@@ -131,7 +129,7 @@ def _blocked_row_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     n, w = rows.shape
     wide = rows.dtype in (torch.float32, torch.float64)
     work = rows.dtype if wide else torch.float32
-    step = max(1, MOMENT_BLOCK_BYTES // (w * torch.finfo(work).bits // 8))
+    step = rows_per_block(w * torch.finfo(work).bits // 8)
     a = torch.empty(n, dtype=work)
     bsum = torch.empty(n, dtype=work)
     buf = torch.empty(min(step, n), w, dtype=work)
