@@ -17,6 +17,7 @@ def test_rows_per_block():
     assert row_blocks.rows_per_block(0) == row_blocks.BLOCK_BYTES
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(300, 96), (37, 5, 64), (0, 8, 16), (1, 3)])
 def test_rms_norm_blocks_are_the_whole_tensor_bits(monkeypatch, dtype, shape):
@@ -35,6 +36,7 @@ def test_rms_norm_blocks_are_the_whole_tensor_bits(monkeypatch, dtype, shape):
                 assert got.dtype == dtype and torch.equal(got, whole), (block, w is None)
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_row_moments_blocks_are_the_whole_tensor_bits(monkeypatch, dtype):
     g = torch.Generator().manual_seed(1)
