@@ -46,11 +46,16 @@ class PeakMemory:
         return max(0, hwm - self.base)
 
 
+def _libc():
+    """This process's C library (raises OSError where there is none to load)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def _release_free_heap() -> None:
     """Collect garbage and return glibc's free heap pages to the system (no-op off glibc)."""
     gc.collect()
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
@@ -121,7 +126,6 @@ def exact_cpu_peaks(threshold: int = 16 * 1024) -> bool:
     Returns whether the setting took effect.
     """
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
+        return bool(_libc().mallopt(M_MMAP_THRESHOLD, int(threshold)))
     except (OSError, AttributeError):
         return False
