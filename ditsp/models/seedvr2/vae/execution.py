@@ -76,7 +76,7 @@ def row_moments(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tenso
       two passes, the mean, then the sum of squared deviations from it, within 2e-7 of the exact
       variance and 6-20x faster than ``var_mean``'s float64 Welford, which was 9.6% of the VAE's
       time; 16-bit input: float32 sums of x and x^2); on CPU a block of rows at a time through one
-      reused buffer (:func:`_blocked_row_moments`: torch's float32 reductions of a bf16 tensor
+      reused buffer (:func:`_blocked_row_sums`: torch's float32 reductions of a bf16 tensor
       upcast all of it first, ~1 s of a bf16 9x128x128 decode in fresh whole-activation copies);
     - the channels of a group are then merged one by one in channel order (elementwise float64
       ops on (B, G, T, h) tensors; Chan's rule for equal counts).
@@ -91,19 +91,24 @@ def row_moments(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tenso
     if not x.numel():
         z = torch.zeros((b, groups, t, h), dtype=torch.float64, device=x.device)
         return z, z.clone()
+    # Per row, two sums in the work dtype: float32/64 the mean and the sum of squared deviations from it,
+    # 16-bit the float32 sums of x and of x^2 (as a 2-norm); then combined below in float64.
+    wide = x.dtype in (torch.float32, torch.float64)
     if x.device.type == "cpu" and x.is_contiguous() and not (torch.is_grad_enabled() and x.requires_grad) \
             and not torch.compiler.is_compiling():
-        mean, m2 = _blocked_row_moments(x.view(-1, w))
-        mean, m2 = mean.view(b, c, t, h), m2.view(b, c, t, h)
-    elif x.dtype in (torch.float32, torch.float64):
-        mean = x.mean(-1)
-        m2 = (x - mean.unsqueeze(-1)).square_().sum(-1)
-        mean, m2 = mean.double(), m2.double()
+        first, second = (v.view(b, c, t, h) for v in _blocked_row_sums(x.view(-1, w)))
+    elif wide:
+        first = x.mean(-1)
+        second = (x - first.unsqueeze(-1)).square_().sum(-1)
     else:
-        s1 = x.sum(-1, dtype=torch.float32).double()
-        s2 = torch.linalg.vector_norm(x, 2, dim=-1, dtype=torch.float32).double().square()
+        first = x.sum(-1, dtype=torch.float32)
+        second = torch.linalg.vector_norm(x, 2, dim=-1, dtype=torch.float32)
+    if wide:
+        mean, m2 = first.double(), second.double()
+    else:
+        s1 = first.double()
         mean = s1 / w
-        m2 = (s2 - s1 * mean).clamp_min(0)
+        m2 = (second.double().square() - s1 * mean).clamp_min(0)
     mean, m2 = mean.view(b, groups, cg, t, h), m2.view(b, groups, cg, t, h)
     gm = mean[:, :, 0].clone()
     for j in range(1, cg):
@@ -117,9 +122,9 @@ def row_moments(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tenso
     return gm, g2
 
 
-def _blocked_row_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`row_moments`' per-row mean and M2 (float64) of ``rows`` (N, W) on CPU, a cache-sized block of
-    rows at a time (:mod:`ditsp.row_blocks`).
+def _blocked_row_sums(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`row_moments`' two per-row sums of ``rows`` (N, W) on CPU, a cache-sized block of rows at a
+    time (:mod:`ditsp.row_blocks`).
 
     The same ops on the same rows as the whole-tensor expressions (float32/64: the mean, then the sum
     of squared deviations; 16-bit: float32 sums of x and x^2), so the same bits; but the working copy
@@ -130,25 +135,21 @@ def _blocked_row_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     wide = rows.dtype in (torch.float32, torch.float64)
     work = rows.dtype if wide else torch.float32
     step = rows_per_block(w * torch.finfo(work).bits // 8)
-    a = torch.empty(n, dtype=work)
-    bsum = torch.empty(n, dtype=work)
+    first = torch.empty(n, dtype=work)
+    second = torch.empty(n, dtype=work)
     buf = torch.empty(min(step, n), w, dtype=work)
     for i in range(0, n, step):
         part = rows[i:i + step]
         k = part.shape[0]
         if wide:
-            torch.mean(part, -1, out=a[i:i + k])
-            torch.sub(part, a[i:i + k].unsqueeze(-1), out=buf[:k]).square_()
-            torch.sum(buf[:k], -1, out=bsum[i:i + k])
+            torch.mean(part, -1, out=first[i:i + k])
+            torch.sub(part, first[i:i + k].unsqueeze(-1), out=buf[:k]).square_()
+            torch.sum(buf[:k], -1, out=second[i:i + k])
         else:
             blk = buf[:k].copy_(part)
-            torch.sum(blk, -1, out=a[i:i + k])
-            torch.linalg.vector_norm(blk, 2, dim=-1, out=bsum[i:i + k])
-    if wide:
-        return a.double(), bsum.double()
-    s1 = a.double()
-    mean = s1 / w
-    return mean, (bsum.double().square() - s1 * mean).clamp_min(0)
+            torch.sum(blk, -1, out=first[i:i + k])
+            torch.linalg.vector_norm(blk, 2, dim=-1, out=second[i:i + k])
+    return first, second
 
 
 def frame_stats(row_mean: torch.Tensor, row_m2: torch.Tensor, per_row: int) -> tuple[torch.Tensor, torch.Tensor]:
