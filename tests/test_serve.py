@@ -38,7 +38,7 @@ def reference_sha(clip: str, tmp: Path, opts: dict) -> str:
     torch.set_num_threads(1)
     req = UpscaleRequest(input=clip, output=str(tmp / f"ref-{os.path.basename(clip)}"),
                          area=parse_resolution(opts["resolution"]), window_frames=opts["window_frames"],
-                         overlap=opts["overlap"], progress=False)
+                         overlap=opts["overlap"], progress=False, deterministic=True)  # the server's policy
     return rank_upscale(RankContext(0, 1, None, torch.device("cpu")), req)["sha256"]
 
 

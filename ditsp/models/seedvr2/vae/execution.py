@@ -18,6 +18,9 @@ can be computed exactly given
   from the whole frame's rows in row order (:func:`frame_stats`), the same arithmetic in every mode;
 - for the mid attention, the keys and values of the whole frame (all-gathered per call).
 
+The activations' memory layout is :mod:`.channels_last`'s choice, made once per piece
+(:meth:`Exec.arrange`); the executor's own copies keep it.
+
 The executor tracks where the piece is as the stages change its frame rate and row count
 (``t_start`` and ``rows`` are updated by strided convs and upsamplers), so layers need no
 knowledge of the mode.
@@ -34,6 +37,7 @@ from ....distributed.comm import Comm
 from ....distributed.halo import exchange_rows, post_to_next, recv_from_prev
 from ....row_blocks import rows_per_block
 from ..compiled import fused_norm
+from . import channels_last
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -72,7 +76,8 @@ def row_moments(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tenso
     ranks the piece has, so a height slab and the whole frame produce the same numbers for the
     rows they share:
 
-    - each channel's row is reduced over its W columns in last-dim reductions (float32/64 input:
+    - each channel's row is reduced over its W columns (contiguous x: last-dim reductions;
+      channels-last x: over dim 1 of (rows, W, C), all channels of a row at once) (float32/64 input:
       two passes, the mean, then the sum of squared deviations from it, within 2e-7 of the exact
       variance and 6-20x faster than ``var_mean``'s float64 Welford, which was 9.6% of the VAE's
       time; 16-bit input: float32 sums of x and x^2); on CPU a block of rows at a time through one
@@ -92,11 +97,17 @@ def row_moments(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tenso
         z = torch.zeros((b, groups, t, h), dtype=torch.float64, device=x.device)
         return z, z.clone()
     # Per row, two sums in the work dtype: float32/64 the mean and the sum of squared deviations from it,
-    # 16-bit the float32 sums of x and of x^2 (as a 2-norm); then combined below in float64.
+    # 16-bit the float32 sums of x and of x^2 (as a 2-norm); then combined below in float64. A channels-last
+    # activation is reduced over W as (rows, W, C), every channel of a row at once, without a transposed copy.
     wide = x.dtype in (torch.float32, torch.float64)
-    if x.device.type == "cpu" and x.is_contiguous() and not (torch.is_grad_enabled() and x.requires_grad) \
+    last = channels_last.is_channels_last(x)
+    if x.device.type == "cpu" and (last or x.is_contiguous()) and not (torch.is_grad_enabled() and x.requires_grad) \
             and not torch.compiler.is_compiling():
-        first, second = (v.view(b, c, t, h) for v in _blocked_row_sums(x.view(-1, w)))
+        if last:  # in memory (b, t, h, w, c): rows of (W, C)
+            first, second = _blocked_row_sums(x.permute(0, 2, 3, 4, 1).reshape(-1, w, c))
+            first, second = (v.view(b, t, h, c).permute(0, 3, 1, 2) for v in (first, second))
+        else:
+            first, second = (v.view(b, c, t, h) for v in _blocked_row_sums(x.view(-1, w)))
     elif wide:
         first = x.mean(-1)
         second = (x - first.unsqueeze(-1)).square_().sum(-1)
@@ -109,7 +120,7 @@ def row_moments(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tenso
         s1 = first.double()
         mean = s1 / w
         m2 = (second.double().square() - s1 * mean).clamp_min(0)
-    mean, m2 = mean.view(b, groups, cg, t, h), m2.view(b, groups, cg, t, h)
+    mean, m2 = mean.reshape(b, groups, cg, t, h), m2.reshape(b, groups, cg, t, h)
     gm = mean[:, :, 0].clone()
     for j in range(1, cg):
         gm += mean[:, :, j]
@@ -123,32 +134,37 @@ def row_moments(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _blocked_row_sums(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`row_moments`' two per-row sums of ``rows`` (N, W) on CPU, a cache-sized block of rows at a
-    time (:mod:`ditsp.row_blocks`).
+    """:func:`row_moments`' two sums over dim 1 of ``rows`` (N, W) or (N, W, C) on CPU, a cache-sized block of
+    rows at a time (:mod:`ditsp.row_blocks`); results (N,) or (N, C).
 
     The same ops on the same rows as the whole-tensor expressions (float32/64: the mean, then the sum
     of squared deviations; 16-bit: float32 sums of x and x^2), so the same bits; but the working copy
     (16-bit: the upcast the float32 reductions make of the whole tensor; 32-bit: the deviations) is one
     reused, cache-sized buffer instead of a whole-activation allocation per call.
     """
-    n, w = rows.shape
+    n, w = rows.shape[:2]
+    rest = tuple(rows.shape[2:])
     wide = rows.dtype in (torch.float32, torch.float64)
     work = rows.dtype if wide else torch.float32
-    step = rows_per_block(w * torch.finfo(work).bits // 8)
-    first = torch.empty(n, dtype=work)
-    second = torch.empty(n, dtype=work)
-    buf = torch.empty(min(step, n), w, dtype=work)
+    step = rows_per_block(w * math.prod(rest) * torch.finfo(work).bits // 8)
+    first = torch.empty((n,) + rest, dtype=work)
+    second = torch.empty((n,) + rest, dtype=work)
+    buf = torch.empty((min(step, n), w) + rest, dtype=work)
     for i in range(0, n, step):
         part = rows[i:i + step]
         k = part.shape[0]
         if wide:
-            torch.mean(part, -1, out=first[i:i + k])
-            torch.sub(part, first[i:i + k].unsqueeze(-1), out=buf[:k]).square_()
-            torch.sum(buf[:k], -1, out=second[i:i + k])
-        else:
+            torch.mean(part, 1, out=first[i:i + k])
+            torch.sub(part, first[i:i + k].unsqueeze(1), out=buf[:k]).square_()
+            torch.sum(buf[:k], 1, out=second[i:i + k])
+        elif not rest:
             blk = buf[:k].copy_(part)
-            torch.sum(blk, -1, out=first[i:i + k])
-            torch.linalg.vector_norm(blk, 2, dim=-1, out=second[i:i + k])
+            torch.sum(blk, 1, out=first[i:i + k])
+            torch.linalg.vector_norm(blk, 2, dim=1, out=second[i:i + k])
+        else:  # a 2-norm over a strided dim runs ~16x slower than a sum there: the root of the sum of squares
+            blk = buf[:k].copy_(part)
+            torch.sum(blk, 1, out=first[i:i + k])
+            torch.sum(blk.square_(), 1, out=second[i:i + k]).sqrt_()
     return first, second
 
 
@@ -168,8 +184,9 @@ def frame_stats(row_mean: torch.Tensor, row_m2: torch.Tensor, per_row: int) -> t
 _LANES = 64  # a multiple of twice the widest SIMD vector of any CPU kernel (AVX-512 bf16: 2 x 32)
 
 
-def padded_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat buffer, view shaped like x) where the buffer's length makes every SiLU element SIMD.
+def padded_like(x: torch.Tensor, memory_format=torch.contiguous_format) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat buffer, view shaped like x, laid out in ``memory_format``) where the buffer's length makes
+    every SiLU element SIMD.
 
     PyTorch's CPU elementwise kernels run SIMD code over whole vectors and scalar code over the
     tail of each thread's range, and the two SiLUs round differently (float32). A slab's tensor
@@ -189,6 +206,9 @@ def padded_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     buf = x.new_empty(m)
     if m > n:
         buf[n:].zero_()
+    if memory_format == torch.channels_last_3d:
+        b, c, t, h, w = x.shape
+        return buf, buf[:n].view(b, t, h, w, c).permute(0, 4, 1, 2, 3)
     return buf, buf[:n].view(x.shape)
 
 
@@ -214,6 +234,24 @@ class Exec:
         self.H: int | None = None
         self.counts = {"conv": 0, "conv_2d_fast": 0}
         self._haloed = None  # the conv whose input rows the last norm already extended by its halos
+        self.memory_format = torch.contiguous_format  # the activations' layout, set by arrange()
+
+    def arrange(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (a piece's network input) in the layout the layers run in (:mod:`.channels_last`)."""
+        self.memory_format = torch.channels_last_3d if channels_last.wanted(x) else torch.contiguous_format
+        return x.contiguous(memory_format=self.memory_format)
+
+    def _cat(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """``torch.cat`` into this piece's layout (a plain cat may fall back to contiguous when the parts'
+        layouts differ, e.g. a broadcast frame 0 or received halo rows)."""
+        if self.memory_format == torch.contiguous_format:
+            return torch.cat(parts, dim)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in parts):  # out= does not record autograd
+            return torch.cat(parts, dim).contiguous(memory_format=self.memory_format)
+        shape = list(parts[0].shape)
+        shape[dim] = sum(p.shape[dim] for p in parts)
+        out = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device, memory_format=self.memory_format)
+        return torch.cat(parts, dim, out=out)
 
     def begin(self, t_start: int, rows: list[tuple[int, int]] | None = None, H: int | None = None) -> "Exec":
         """Start a piece at global frame ``t_start`` (of the network input), optionally a height slab."""
@@ -254,11 +292,11 @@ class Exec:
             if T >= kt - 1:
                 tail = x[:, :, T - (kt - 1):]
             else:
-                tail = torch.cat([past_full[:, :, T:], x], 2)
+                tail = self._cat([past_full[:, :, T:], x], 2)
             if self.time_chain and self.comm.rank < self.comm.world_size - 1:
                 pending = post_to_next(self.comm, tail)
             if self.carry is not None:
-                self.carry[layer] = tail.clone(memory_format=torch.contiguous_format)  # one copy, owned
+                self.carry[layer] = tail.clone(memory_format=self.memory_format)  # one copy, owned
             n_out = _ceil_div(a + T, st) - _ceil_div(a, st)
             if past is None and T == 1 and self.image_fast_path:
                 # Clip start with one frame (an image): every tap sees frame 0, so the taps are
@@ -267,7 +305,7 @@ class Exec:
                 self.counts["conv_2d_fast"] += 1
             elif n_out > 0:
                 need = a + kt - 1 - _ceil_div(a, st) * st
-                x = torch.cat([past_full[:, :, kt - 1 - need:], x], 2)
+                x = self._cat([past_full[:, :, kt - 1 - need:], x], 2)
         else:
             n_out = T
         if self.rows is not None:
@@ -312,7 +350,7 @@ class Exec:
         if zb:
             parts.append(x.new_zeros(x.shape[:3] + (zb,) + x.shape[4:]))
         if len(parts) > 1 and rows_out[r][1] > rows_out[r][0]:
-            x = torch.cat(parts, 3)
+            x = self._cat(parts, 3)
         elif rows_out[r][1] <= rows_out[r][0]:
             x = x[:, :, :, :0]
         return x, rows_out, H_out
@@ -337,7 +375,7 @@ class Exec:
         b, c, t, h, w = x.shape
         g = layer.num_groups
         cg = c // g
-        x = x.contiguous()
+        x = x.contiguous(memory_format=self.memory_format)
         if t == 0:
             return x.clone()
         rm, r2 = row_moments(x, g)
@@ -371,9 +409,10 @@ class Exec:
             with torch.no_grad():
                 y = fused(x.view(b, g, cg, t, h, w), scale.expand(b, g, cg, t, 1, 1).to(x.dtype),
                           shift.expand(b, g, cg, t, 1, 1).to(x.dtype), silu)
-            return y.view(x.shape)
+            # the compiled kernel picks its own output strides: back to the piece's layout
+            return y.reshape(x.shape).contiguous(memory_format=self.memory_format)
         with torch.no_grad():  # inference only; out= refuses tensors that track gradients
-            buf, y = padded_like(x)
+            buf, y = padded_like(x, self.memory_format)
             torch.addcmul(shift.to(x.dtype), x.view(b, g, cg, t, h, w), scale.to(x.dtype),
                           out=y.view(b, g, cg, t, h, w))
             if silu:
@@ -408,7 +447,8 @@ class Exec:
         both = torch.cat([p[:k * per_row] for p, k in zip(parts, counts)]).view(torch.float64)
         both = both.view((sum(counts), 2) + tuple(rm.shape[:-1])).movedim(0, -1)
         rm, r2 = both[0], both[1]
-        ext = x.new_empty((b, c, t, zt + fp + h + fn + zb, w))
+        ext = torch.empty((b, c, t, zt + fp + h + fn + zb, w), dtype=x.dtype, device=x.device,
+                          memory_format=self.memory_format)
         em = ext.movedim(3, 0)
         em[:zt].zero_()
         if fp:
@@ -450,7 +490,7 @@ class Exec:
         """After depth-to-space: drop the duplicate of the clip's frame 0; move to the new stage."""
         if temporal:
             if self.t_start == 0 and x.shape[2] > 0:
-                x = torch.cat([x[:, :, :1], x[:, :, 2:]], 2)
+                x = self._cat([x[:, :, :1], x[:, :, 2:]], 2)
             self.t_start = 0 if self.t_start == 0 else 2 * self.t_start - 1
         if self.rows is not None:
             self.rows = [(2 * a, 2 * b) for a, b in self.rows]

@@ -29,6 +29,7 @@ from torch import nn
 
 from ....fixed_shape import conv_tile_rows, plain_linear
 from . import winograd
+from .channels_last import is_channels_last
 from .config import VaeConfig
 
 
@@ -111,8 +112,9 @@ def _conv_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def _mkldnn(x, weight, bias, stride, padding) -> torch.Tensor:
-    return torch.ops.aten.mkldnn_convolution(x.contiguous(), weight.contiguous(), bias, list(padding),
-                                             list(stride), [1, 1, 1], 1)
+    layout = torch.channels_last_3d if is_channels_last(x) else torch.contiguous_format  # kept (.channels_last)
+    return torch.ops.aten.mkldnn_convolution(x.contiguous(memory_format=layout), weight.contiguous(), bias,
+                                             list(padding), list(stride), [1, 1, 1], 1)
 
 
 class CausalConv3d(nn.Module):
@@ -215,6 +217,9 @@ def depth_to_space(x: torch.Tensor, z: int) -> torch.Tensor:
     """(B, 4*z*C, T, H, W) -> (B, C, T*z, 2H, 2W); input channel ((i*2 + j)*z + tau)*C + c."""
     b, ch, t, h, w = x.shape
     c = ch // (4 * z)
+    if is_channels_last(x):  # stays so (.channels_last)
+        x = x.permute(0, 2, 3, 4, 1).view(b, t, h, w, 2, 2, z, c).permute(0, 1, 6, 2, 4, 3, 5, 7)
+        return x.reshape(b, t * z, 2 * h, 2 * w, c).permute(0, 4, 1, 2, 3)
     x = x.view(b, 2, 2, z, c, t, h, w).permute(0, 4, 5, 3, 6, 1, 7, 2)
     return x.reshape(b, c, t * z, 2 * h, 2 * w)
 

@@ -66,11 +66,11 @@ class Encoder(nn.Module):
         self.conv_out = CausalConv3d(w[-1], 2 * cfg.latent_channels)
 
     def forward(self, x: torch.Tensor, ex: Exec) -> torch.Tensor:
-        x = self.conv_in(x, ex)
+        x = self.conv_in(ex.arrange(x), ex)
         for b in self.down_blocks:
             x = b(x, ex)
         x = self.mid_block(x, ex)
-        return self.conv_out(self.conv_norm_out(x, ex, silu=True, then=self.conv_out), ex)
+        return self.conv_out(self.conv_norm_out(x, ex, silu=True, then=self.conv_out), ex).contiguous()
 
 
 class Decoder(nn.Module):
@@ -87,11 +87,11 @@ class Decoder(nn.Module):
         self.conv_out = CausalConv3d(w[-1], cfg.out_channels)
 
     def forward(self, z: torch.Tensor, ex: Exec) -> torch.Tensor:
-        x = self.conv_in(z, ex)
+        x = self.conv_in(ex.arrange(z), ex)
         x = self.mid_block(x, ex)
         for b in self.up_blocks:
             x = b(x, ex)
-        return self.conv_out(self.conv_norm_out(x, ex, silu=True, then=self.conv_out), ex)
+        return self.conv_out(self.conv_norm_out(x, ex, silu=True, then=self.conv_out), ex).contiguous()
 
 
 @dataclass

@@ -17,9 +17,11 @@ float32 rounding error to ~1e-5 of the output's scale, against ~5e-7 for the dir
 tolerance; never under the deterministic policy, whose fixed-shape calls must be bitwise equal
 across SP degrees (:func:`.layers.conv3d` calls this from its fast branch only).
 
-Layout. The activation is (C, T, H, W); the transforms run on a channels-last copy so that every
-slice they add is a run of channels (vectorised), and a GEMM's rows are (frame, tile) with the
-channels contiguous, so the temporal taps are row offsets into one matrix (no copies). All of it
+Layout. The transforms run on a channels-last float32 copy of each band so that every slice they
+add is a run of channels (vectorised), and a GEMM's rows are (frame, tile) with the channels
+contiguous, so the temporal taps are row offsets into one matrix (no copies). A channels-last
+activation (:mod:`.channels_last`, the fast policy's) is copied in and written back without
+transposes; a (C, T, H, W) one is transposed both ways. All of it
 runs in bands of tile rows of about :data:`BAND_BYTES` of transformed input, which keeps the
 buffers cache-sized and reused. The filters' transforms are packed for oneDNN and kept in a
 :class:`WeightCache` on the conv module, recomputed when the weight changes (its storage or its
@@ -37,6 +39,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from .channels_last import is_channels_last
 
 ENV = "DITSP_VAE_WINOGRAD"
 SETTINGS = {"1": True, "0": False}  # the allowed values of ENV; unset means "1"
@@ -229,7 +233,10 @@ def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pad
     band = max(1, min(th, (band_bytes or BAND_BYTES) // (_N * _N * t_in * tw * c * 4)))
     filters = (cache or WeightCache()).get(weight, t_out * band * tw)
     bias = bias.float() if bias is not None else None
-    out = x.new_empty(b, weight.shape[0], t_out, h_out, w_out)  # x's dtype: a bfloat16 output is rounded once
+    # x's layout and dtype (a bfloat16 output is rounded once); a channels-last x needs no transposes either way
+    last = is_channels_last(x)
+    out = torch.empty((b, weight.shape[0], t_out, h_out, w_out), dtype=x.dtype, device=x.device,
+                      memory_format=torch.channels_last_3d if last else torch.contiguous_format)
     for i in range(b):
         for r in range(0, th, band):
             n = min(band, th - r)
@@ -238,18 +245,29 @@ def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pad
             del xc
             m = _gemms(v, filters, bias, n * tw, t_out * n * tw)
             del v
-            y = _output_transform(m, n, tw)
+            y = _output_transform(m, n, tw)  # (T, rows, cols, C)
             rows = min(TILE * n, h_out - TILE * r)
+            if last:
+                out[i].permute(1, 2, 3, 0)[:, TILE * r:TILE * r + rows] = y[:, :rows, :w_out]
+                continue
             yc = y.view(-1, y.shape[-1]).t().contiguous().view(-1, t_out, TILE * n, TILE * tw)  # channels first
             out[i, :, :, TILE * r:TILE * r + rows] = yc[:, :, :rows, :w_out]
     return out
 
 
 def _channels_last(x: torch.Tensor, top: int, rows: int, left: int, tw: int) -> torch.Tensor:
-    """Rows ``top`` .. ``top + rows`` of (C, T, H, W), columns from ``-left``, zeros outside: (T, rows, 4 tw + 2, C)."""
+    """Rows ``top`` .. ``top + rows`` of (C, T, H, W), columns from ``-left``, zeros outside: (T, rows, 4 tw + 2, C)
+    float32 (``x`` either contiguous or a view of a channels-last activation)."""
     c, t, h, w = x.shape
     wp = TILE * tw + 2
     lo, hi = max(top, 0), min(top + rows, h)
+    if not x.is_contiguous() and x.permute(1, 2, 3, 0).is_contiguous():  # channels last already: no transpose
+        out = torch.empty(t, rows, wp, c, dtype=torch.float32)
+        a, b = lo - top, hi - top
+        for part in (out[:, :a], out[:, b:], out[:, a:b, :left], out[:, a:b, left + w:]):
+            part.zero_()
+        out[:, a:b, left:left + w] = x.permute(1, 2, 3, 0)[:, lo:hi]  # one copy (and cast)
+        return out
     x = F.pad(x[:, :, lo:hi], (left, wp - w - left, lo - top, top + rows - hi))  # a copy, in x's dtype
     out = torch.empty(t * rows * wp, c, dtype=torch.float32)
     return out.copy_(x.view(c, t * rows * wp).t()).view(t, rows, wp, c)  # a blocked transpose (and cast)

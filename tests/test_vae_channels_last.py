@@ -1,0 +1,156 @@
+"""The fast policy's channels-last VAE (ditsp.models.seedvr2.vae.channels_last): the same function as
+the contiguous layout within the fast policy's tolerance, every activation really in the layout (a
+silent fall back to contiguous copies would cost the speed it is for), every sharded mode on real
+ranks, and the deterministic policy left in the contiguous layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ditsp.distributed.comm import Comm
+from ditsp.fixed_shape import DETERMINISTIC, FAST, use
+from ditsp.models.seedvr2.vae import TINY, channels_last, winograd
+from ditsp.models.seedvr2.vae.channels_last import is_channels_last
+from ditsp.models.seedvr2.vae.execution import row_moments
+from ditsp.models.seedvr2.vae.fixtures import seeded_vae
+from ditsp.models.seedvr2.vae.layers import CausalConv3d, GroupNorm, MidAttention, ResnetBlock, Upsample, \
+    depth_to_space
+from ditsp.models.seedvr2.vae.sharded import ParallelVAE
+
+CL = torch.channels_last_3d
+FP32_REL = 2e-5  # fp32: the two layouts' convs round differently, ~1e-6 per conv
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def _vae(dtype=torch.float32):
+    return seeded_vae(TINY.with_widths((32, 64, 64, 64), groups=8)).to(dtype)
+
+
+def _clip(T=5, H=40, W=24):
+    return torch.rand(1, 3, T, H, W, generator=torch.Generator().manual_seed(1)) * 2 - 1
+
+
+def _layouts(vae):
+    """Forward hooks recording, per layer output, whether it is channels-last (None when its shape
+    leaves the layout undetermined, e.g. empty or one pixel)."""
+    seen = []
+
+    def hook(module, args, out):
+        if out.numel() and not (out.is_contiguous() and out.is_contiguous(memory_format=CL)):
+            seen.append((type(module).__name__, is_channels_last(out)))
+
+    handles = [m.register_forward_hook(hook) for m in vae.modules()
+               if isinstance(m, (CausalConv3d, GroupNorm, ResnetBlock, Upsample, MidAttention))]
+    return seen, handles
+
+
+def _run(vae, x, chunk, enabled, monkeypatch):
+    monkeypatch.setattr(channels_last, "ENABLED", enabled)
+    z = vae.encode(x, chunk=chunk).mean
+    return z, vae.decode(z, chunk=chunk)
+
+
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_fast_policy_runs_every_layer_channels_last_with_the_same_result(chunk, monkeypatch):
+    vae, x = _vae(), _clip()
+    with use(FAST):
+        ref = _run(vae, x, chunk, False, monkeypatch)
+        seen, handles = _layouts(vae)
+        got = _run(vae, x, chunk, True, monkeypatch)
+    for h in handles:
+        h.remove()
+    assert len(seen) > 50 and all(last for _, last in seen), [s for s in seen if not s[1]][:5]
+    for a, b in zip(got, ref):
+        assert a.is_contiguous()  # what leaves the VAE is in the usual layout
+        assert rel(a, b) < FP32_REL
+
+
+def test_bf16_channels_last_error_is_the_contiguous_layouts(monkeypatch):
+    """bf16 rounds differently per layout; against float64 both are equally far off."""
+    x = _clip()
+    with use(FAST):
+        z64, y64 = _run(_vae(torch.float64), x.double(), None, False, monkeypatch)
+        vae = _vae(torch.bfloat16)
+        errs = {}
+        for enabled in (False, True):
+            monkeypatch.setattr(channels_last, "ENABLED", enabled)
+            errs[enabled] = (rel(vae.encode(x).mean, z64), rel(vae.decode(z64.bfloat16()), y64))
+    for plain, last in zip(errs[False], errs[True]):
+        assert 0 < last < 1.5 * plain + 1e-3, errs
+
+
+def test_deterministic_policy_stays_contiguous(monkeypatch):
+    vae, x = _vae(), _clip()
+    monkeypatch.setattr(channels_last, "ENABLED", True)
+    seen, handles = _layouts(vae)
+    with use(DETERMINISTIC):
+        vae.decode(vae.encode(x).mean)
+    for h in handles:
+        h.remove()
+    assert seen and not any(last for _, last in seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_moments_of_a_channels_last_activation(dtype):
+    x = (torch.randn(2, 16, 3, 5, 7, generator=torch.Generator().manual_seed(0)) * 3 + 1).to(dtype)
+    gm, g2 = row_moments(x.contiguous(memory_format=CL), 4)
+    pm, p2 = row_moments(x, 4)
+    # float64 truth: per (batch, group, frame, row) over the group's channels and the row's columns
+    v = x.double().view(2, 4, 4, 3, 5, 7).permute(0, 1, 3, 4, 2, 5).reshape(2, 4, 3, 5, 28)
+    mean = v.mean(-1)
+    m2 = (v - mean.unsqueeze(-1)).square().sum(-1)
+    tol = 1e-6 if dtype == torch.float32 else 1e-5  # bf16: float32 sums of x and x^2
+    for got, plain, true in ((gm, pm, mean), (g2, p2, m2)):
+        assert got.dtype == torch.float64 and got.shape == true.shape
+        assert rel(got, true) < tol and rel(plain, true) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_winograd_reads_and_writes_channels_last_with_the_same_bits(dtype):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 24, 5, 13, 10, generator=g).to(dtype)
+    w = (torch.randn(16, 24, 3, 3, 3, generator=g) * 0.1).to(dtype)
+    b = (torch.randn(16, generator=g) * 0.1).to(dtype)
+    plain = winograd.conv3d(x, w, b, (0, 1, 1))
+    last = winograd.conv3d(x.contiguous(memory_format=CL), w, b, (0, 1, 1))
+    assert is_channels_last(last) and plain.is_contiguous()
+    assert torch.equal(last, plain)  # the same float32 tiles either way: only the copies in and out differ
+
+
+@pytest.mark.parametrize("z", [1, 2])
+def test_depth_to_space_keeps_the_layout(z):
+    x = torch.randn(1, 4 * z * 3, 2, 3, 5)
+    got = depth_to_space(x.contiguous(memory_format=CL), z)
+    assert is_channels_last(got) and torch.equal(got, depth_to_space(x, z))
+
+
+# ----------------------------------------------------------------- sharded, on real ranks
+
+
+def sharded_fast(ctx, modes):
+    torch.set_num_threads(1)
+    pv = ParallelVAE(_vae(), Comm(ctx.group), chunk=1)
+    out = {}
+    with use(FAST), torch.no_grad():
+        for mode in modes:
+            z = pv.encode(_clip(9, 40, 24), mode=mode).posterior.mean
+            out[mode] = (z, pv.decode(z, mode=mode))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_modes_channels_last_match_one_device(clusters, world, monkeypatch):
+    """Time split (with a rank holding one latent frame at 3), height slabs and slabs in chunks, all in
+    the channels-last layout, against one device in the contiguous layout."""
+    monkeypatch.setattr(channels_last, "ENABLED", False)
+    pv = ParallelVAE(_vae(), None)
+    with use(FAST), torch.no_grad():
+        z = pv.encode(_clip(9, 40, 24), mode="replicated").posterior.mean
+        ref = (z, pv.decode(z, mode="replicated"))
+    modes = ["time", "height", "height+chunks"]
+    for mode, (z, y) in clusters(world).run(sharded_fast, modes)[0].items():
+        assert rel(z, ref[0]) < FP32_REL and rel(y, ref[1]) < FP32_REL, mode
