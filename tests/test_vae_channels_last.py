@@ -154,3 +154,30 @@ def test_sharded_modes_channels_last_match_one_device(clusters, world, monkeypat
     modes = ["time", "height", "height+chunks"]
     for mode, (z, y) in clusters(world).run(sharded_fast, modes)[0].items():
         assert rel(z, ref[0]) < FP32_REL and rel(y, ref[1]) < FP32_REL, mode
+
+
+def test_direct_calls_reuse_one_channels_last_weight_until_winograd_takes_over(monkeypatch):
+    """oneDNN copies a contiguous weight to the input's layout on every call: a channels-last input gets the
+    conv's cached channels-last copy instead (the same bits), built once, dropped with the Winograd build."""
+    monkeypatch.delenv(winograd.ENV, raising=False)
+    g = torch.Generator().manual_seed(3)
+    conv = CausalConv3d(24, 16).requires_grad_(False)
+    conv.weight.copy_(torch.randn(conv.weight.shape, generator=g) * 0.1)
+    conv.bias.zero_()
+    x = torch.randn(1, 24, 5, 9, 7, generator=g).contiguous(memory_format=CL)
+    with use(FAST), torch.no_grad():
+        first = conv.apply(x, rows_padded=False)
+        cached = conv.winograd.last_weight
+        again = conv.apply(x, rows_padded=False)
+        assert cached is not None and conv.winograd.last_weight is cached and is_channels_last(cached)
+        assert torch.equal(cached, conv.weight)
+        assert torch.equal(first, again) and is_channels_last(first)
+        plain = conv.apply(x.contiguous(), rows_padded=False)
+        assert rel(first, plain) < 1e-5
+        conv.weight.mul_(2)  # an in-place change: a new copy
+        assert torch.equal(conv.winograd.channels_last(conv.weight), conv.weight)
+        monkeypatch.setattr(winograd, "RULES", ((1, 1, 1),))
+        monkeypatch.setattr(winograd, "MIN_COUT", 1)
+        monkeypatch.setattr(winograd, "BUILD_PIXELS", 0)
+        conv.apply(x, rows_padded=False)  # now by Winograd: the filters replace the copy
+        assert conv.winograd.filters is not None and conv.winograd.last_weight is None

@@ -78,7 +78,8 @@ def test_tiled_is_approximate_but_close_with_a_wide_overlap():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_winograd_filters_are_the_caches_an_encode_and_decode_build(monkeypatch, dtype):
-    """The estimate's Winograd filters (CPU, fast policy) are the bytes the convs' caches hold after a restoration."""
+    """The estimate's Winograd filters and channels-last weight copies (CPU, fast policy) are the bytes the convs'
+    caches hold after a restoration."""
     from ditsp.fixed_shape import FAST, use
     from ditsp.models.seedvr2.vae import winograd
 
@@ -94,14 +95,19 @@ def test_winograd_filters_are_the_caches_an_encode_and_decode_build(monkeypatch,
     pv = ParallelVAE(vae, None)
     with use(FAST), torch.no_grad():
         pv.decode(pv.encode(x, mode="chunked").posterior.mean, mode="chunked")
-    built = sum(winograd.filter_bytes(m.weight.shape[1], m.weight.shape[0]) for m in vae.modules()
-                if getattr(getattr(m, "winograd", None), "filters", None) is not None)
-    assert built > 0
+    caches = [(m, m.winograd) for m in vae.modules() if isinstance(getattr(m, "winograd", None), winograd.WeightCache)]
+    filters = sum(winograd.filter_bytes(m.weight.shape[1], m.weight.shape[0]) for m, c in caches if c.filters is not None)
+    # every other conv ran direct on channels-last input and keeps that copy of its weight (a 1x1x1 weight is
+    # already in both layouts: no copy)
+    copies = sum(c.last_weight.nbytes for m, c in caches
+                 if c.last_weight is not None and c.last_weight.data_ptr() != m.weight.data_ptr())
+    assert filters > 0 and copies > 0
+    built = filters + copies
     for op in ("encode", "decode"):
         est = estimate(cfg, op, shape, 1, "chunked", dtype, backend="cpu", winograd_filters=True)
         assert est.filters == built
         assert est.total == estimate(cfg, op, shape, 1, "chunked", dtype, backend="cpu").total + built
-    assert "Winograd filters" in est.row()
+    assert "cached conv filters" in est.row()
 
 
 def test_winograd_filters_counted_only_where_they_are_built(monkeypatch):
@@ -117,7 +123,7 @@ def test_winograd_filters_counted_only_where_they_are_built(monkeypatch):
     plain = job_estimate("seedvr2-3b", "fp32", 17, (256, 256), 1, "chunked")
     with_filters = job_estimate("seedvr2-3b", "fp32", 17, (256, 256), 1, "chunked", winograd_filters=True)
     assert with_filters.vae_filters > GiB and with_filters.total == plain.total + with_filters.vae_filters
-    assert "Winograd filters" in with_filters.describe() and "Winograd" not in plain.describe()
+    assert "cached conv filters" in with_filters.describe() and "cached conv" not in plain.describe()
     budget = (plain.total + with_filters.total) // 2  # fits without the filters only
     fits = suggestions("seedvr2-3b", "fp32", 17, (256, 256), 1, "chunked", budget, 17, winograd_filters=True)
     assert any(f.startswith(f"{winograd.ENV}=0") for f in fits)

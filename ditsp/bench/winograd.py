@@ -7,7 +7,8 @@ difference of the latent mean and of the decoded clip relative to the direct run
 Winograd runs are timed apart from the steady state: they transform and pack the filters, each conv
 once its calls pay for it (:data:`~ditsp.models.seedvr2.vae.winograd.BUILD_PIXELS`), and run until
 every conv that qualifies has them. Then every conv shape the steady-state run sent to Winograd, on
-random inputs: direct vs Winograd interleaved (minimum over ``--repeats``; a shape run more than once
+random inputs in the layout the VAE runs them in (channels-last under the fast policy on CPU): direct
+vs Winograd interleaved (minimum over ``--repeats``; a shape run more than once
 per clip counts each time in the totals), and each one's error against a float64 conv next to the
 direct conv's own. Results: ``benchmarks/results/vae-winograd.md`` and ``vae-winograd.json``.
 """
@@ -46,7 +47,7 @@ def measure(clip, repeats: int, widths=None, shapes: bool = True, max_warm: int 
     import torch.nn.functional as F
 
     from ..fixed_shape import FAST, use
-    from ..models.seedvr2.vae import RELEASED, winograd
+    from ..models.seedvr2.vae import RELEASED, channels_last, winograd
     from ..models.seedvr2.vae.fixtures import seeded_vae
     from ..models.seedvr2.vae.layers import conv3d
     from ..models.seedvr2.vae.sharded import ParallelVAE
@@ -114,6 +115,9 @@ def measure(clip, repeats: int, widths=None, shapes: bool = True, max_warm: int 
         g = torch.Generator().manual_seed(1)
         for (xs, ws, pad), n in sorted(calls.items(), key=lambda kv: (kv[0][1][1], kv[0][0][3:])):
             xx = torch.randn(xs, generator=g).to(dt)
+            with use(FAST):  # the layout the VAE's executor runs this conv in
+                xx = xx.contiguous(memory_format=torch.channels_last_3d if channels_last.wanted(xx) else
+                                   torch.contiguous_format)
             weight = (torch.randn(ws, generator=g) / (ws[1] * 27) ** 0.5).to(dt)
             bias = (torch.randn(ws[0], generator=g) * 0.1).to(dt)
             cache = winograd.WeightCache()

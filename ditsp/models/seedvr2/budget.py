@@ -50,7 +50,7 @@ class Estimate:
         dq = f" + dequant buffer {self.dit_dequant / GiB:.2f}" if self.dit_dequant else ""
         return (f"{self.total / GiB:.2f} GiB per rank (DiT weights{fmt} {self.dit_weights / GiB:.2f}{dq}, DiT "
                 f"activations {self.dit_activations / GiB:.2f}, latents {self.latents / GiB:.2f}, VAE {self.vae_mode} "
-                f"{self.vae / GiB:.2f}{f' incl. Winograd filters {self.vae_filters / GiB:.2f}' if self.vae_filters else ''})")
+                f"{self.vae / GiB:.2f}{f' incl. cached conv filters {self.vae_filters / GiB:.2f}' if self.vae_filters else ''})")
 
 
 def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: int, vae_mode: str = "auto",

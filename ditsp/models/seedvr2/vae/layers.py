@@ -60,6 +60,8 @@ def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, str
         if cache is not None and x.numel() and winograd.applies(x, weight, bias, stride, padding) \
                 and cache.ready(weight, (x.shape[2] - 2) * h_out * (x.shape[4] + 2 * pw - 2)):
             return winograd.conv3d(x, weight, bias, padding, cache)
+        if cache is not None and is_channels_last(x):
+            weight = cache.channels_last(weight)  # oneDNN would copy a contiguous weight on every call
         return _conv_call(x, weight, bias, stride, padding)
     if pt or ph:
         x = F.pad(x, (0, 0, ph, ph, pt, pt))
@@ -113,7 +115,7 @@ def _conv_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def _mkldnn(x, weight, bias, stride, padding) -> torch.Tensor:
     layout = torch.channels_last_3d if is_channels_last(x) else torch.contiguous_format  # kept (.channels_last)
-    return torch.ops.aten.mkldnn_convolution(x.contiguous(memory_format=layout), weight.contiguous(), bias,
+    return torch.ops.aten.mkldnn_convolution(x.contiguous(memory_format=layout), weight.contiguous(memory_format=layout), bias,
                                              list(padding), list(stride), [1, 1, 1], 1)
 
 

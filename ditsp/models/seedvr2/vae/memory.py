@@ -10,7 +10,8 @@ is the activation peak. Added to it: the weights, the carried time tails of ever
 (input, per-piece outputs and their concatenation, the gathered output), all in the compute dtype.
 On CPU under the fast policy, the filters every Winograd conv caches (:mod:`.winograd`: 4x a float32
 filter's bytes, kept with the conv from its first big call on) are counted too, like weights: the
-encoder's and the decoder's, since a restoration holds both.
+encoder's and the decoder's, since a restoration holds both; so is the channels-last copy of the
+weight every other conv keeps there (:meth:`.winograd.WeightCache.channels_last`).
 The benchmark (:mod:`ditsp.bench.vae`) checks it against measured peaks of reduced-width VAEs.
 """
 
@@ -65,7 +66,7 @@ class MemoryEstimate:
         return (f"{self.mode:14s} total {g(self.total):>6s} GiB = weights {g(self.weights)} + activations "
                 f"{g(self.activation_peak)} (largest tensor {g(self.largest_activation)}, halos {g(self.halo)}) + "
                 f"carried {g(self.carried_state)} + clip {g(self.io)}"
-                + (f" + Winograd filters {g(self.filters)}" if self.filters else "") + "; piece {self.piece.frames} frames x "
+                + (f" + cached conv filters {g(self.filters)}" if self.filters else "") + "; piece {self.piece.frames} frames x "
                 f"{self.piece.rows} rows, peak at {self.peak_op}")
 
 
@@ -102,6 +103,8 @@ class _Walk:
         if self.winograd_dtype is not None and kt == 3 and st == 1 and ss == 1 \
                 and winograd.fits(cin, cout, (t, h, w), self.winograd_dtype):
             self.filters += winograd.filter_bytes(cin, cout)  # each conv is walked once
+        elif self.winograd_dtype is not None:  # a direct conv on channels-last input keeps a copy of its weight
+            self.filters += cin * cout * kt * 9 * self.b  # (3x3 spatial taps; ResnetBlock shortcuts overcounted)
         # On CPU the convs run through oneDNN (layers.conv3d), which writes its output in its blocked
         # channel layout and reorders it back: one extra output-sized buffer while the conv runs
         # (fitted against measured peaks in `ditsp bench vae`).
