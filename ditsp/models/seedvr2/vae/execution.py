@@ -137,8 +137,10 @@ def _blocked_row_sums(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`row_moments`' two sums over dim 1 of ``rows`` (N, W) or (N, W, C) on CPU, a cache-sized block of
     rows at a time (:mod:`ditsp.row_blocks`); results (N,) or (N, C).
 
-    The same ops on the same rows as the whole-tensor expressions (float32/64: the mean, then the sum
-    of squared deviations; 16-bit: float32 sums of x and x^2), so the same bits; but the working copy
+    For (N, W) the same ops on the same rows as the whole-tensor expressions (float32/64: the mean, then
+    the sum of squared deviations; 16-bit: float32 sums of x and x^2), so the same bits; for the (N, W, C)
+    of a channels-last activation the same sums over the strided W (16-bit: the 2-norm as the root of the
+    sum of squares), the fast policy's own rounding. Either way the working copy
     (16-bit: the upcast the float32 reductions make of the whole tensor; 32-bit: the deviations) is one
     reused, cache-sized buffer instead of a whole-activation allocation per call.
     """
