@@ -115,8 +115,9 @@ def _conv_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def _mkldnn(x, weight, bias, stride, padding) -> torch.Tensor:
     layout = torch.channels_last_3d if is_channels_last(x) else torch.contiguous_format  # kept (.channels_last)
-    return torch.ops.aten.mkldnn_convolution(x.contiguous(memory_format=layout), weight.contiguous(memory_format=layout), bias,
-                                             list(padding), list(stride), [1, 1, 1], 1)
+    return torch.ops.aten.mkldnn_convolution(x.contiguous(memory_format=layout),
+                                             weight.contiguous(memory_format=layout), bias, list(padding),
+                                             list(stride), [1, 1, 1], 1)
 
 
 class CausalConv3d(nn.Module):

@@ -173,8 +173,8 @@ class WeightCache:
         Given a contiguous weight and a channels-last input, oneDNN's convolution copies the weight to
         channels-last on every call: 28 MB for a 512-wide float32 3x3x3 conv, which made a 5x32x32
         clip's decode 1.6x slower than in the contiguous layout. The copy is dropped once the conv has
-        its Winograd filters (it then runs no direct calls). A weight that tracks gradients or versions
-        no changes (an inference tensor) is handed back as it is.
+        its Winograd filters (it then runs no direct calls). A weight that tracks gradients, or an
+        inference tensor (no version counter to tell a changed weight by), is handed back as it is.
         """
         if weight.is_inference() or (torch.is_grad_enabled() and weight.requires_grad):
             return weight
@@ -258,7 +258,7 @@ def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pad
     for i in range(b):
         for r in range(0, th, band):
             n = min(band, th - r)
-            xc = _channels_last(x[i], TILE * r - ph, TILE * n + 2, pw, tw)
+            xc = _channels_last(x[i], TILE * r - ph, TILE * n + 2, pw, tw, last)
             v = _input_transform(xc, n, tw)
             del xc
             m = _gemms(v, filters, bias, n * tw, t_out * n * tw)
@@ -273,13 +273,13 @@ def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pad
     return out
 
 
-def _channels_last(x: torch.Tensor, top: int, rows: int, left: int, tw: int) -> torch.Tensor:
+def _channels_last(x: torch.Tensor, top: int, rows: int, left: int, tw: int, last: bool) -> torch.Tensor:
     """Rows ``top`` .. ``top + rows`` of (C, T, H, W), columns from ``-left``, zeros outside: (T, rows, 4 tw + 2, C)
-    float32 (``x`` either contiguous or a view of a channels-last activation)."""
+    float32. ``last``: ``x`` is one item of a channels-last activation (else contiguous)."""
     c, t, h, w = x.shape
     wp = TILE * tw + 2
     lo, hi = max(top, 0), min(top + rows, h)
-    if not x.is_contiguous() and x.permute(1, 2, 3, 0).is_contiguous():  # channels last already: no transpose
+    if last:  # channels last already: no transpose
         out = torch.empty(t, rows, wp, c, dtype=torch.float32)
         a, b = lo - top, hi - top
         for part in (out[:, :a], out[:, b:], out[:, a:b, :left], out[:, a:b, left + w:]):
