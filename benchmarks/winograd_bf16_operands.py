@@ -13,8 +13,11 @@ that trade on one conv per VAE width, on this machine:
 - time: the direct bf16 conv and ditsp's Winograd as they run, and for each bf16-operand variant
   its GEMMs alone (oneDNN bf16, weights packed), a lower bound on its time: transforms excluded.
 
+On a kernel set without native bf16 (AVX2) ditsp computes bf16 convs in float32 (``layers._conv_call``)
+and bf16 GEMMs are emulated, so there is nothing to gain: the script says so and stops.
+
 Run: ``PYTHONPATH=. python benchmarks/winograd_bf16_operands.py`` (one thread; ~1 minute). Writes
-``benchmarks/results/winograd-bf16-operands.md`` and ``.json``.
+``benchmarks/results/winograd-bf16-operands<--tag>.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -85,14 +88,21 @@ def gemm_seconds(variant: str, c_in: int, c_out: int, frames_out: int, h: int, w
     rows = frames_out * tiles
     a = torch.randn(rows + 2 * tiles, c_in).bfloat16()
     wt = torch.randn(c_out, c_in).bfloat16()
-    op, pack = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight
-    packed = pack(wt, rows)
+    try:  # oneDNN with the weights packed, as ditsp's Winograd calls it
+        op, packed = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight(wt, rows)
+
+        def gemm(rows_in):
+            return op(rows_in, packed, None, "none", [], "")
+    except RuntimeError:  # a kernel set without oneDNN's bf16 linear (AVX2): torch's own bf16 GEMM
+
+        def gemm(rows_in):
+            return F.linear(rows_in, wt)
 
     def run():
         for _ in range(n * n):
-            acc = op(a[:rows], packed, None, "none", [], "")
-            acc += op(a[tiles:tiles + rows], packed, None, "none", [], "")
-            acc += op(a[2 * tiles:2 * tiles + rows], packed, None, "none", [], "")
+            acc = gemm(a[:rows])
+            acc += gemm(a[tiles:tiles + rows])
+            acc += gemm(a[2 * tiles:2 * tiles + rows])
 
     return _best(run, reps)
 
@@ -165,7 +175,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--widths", default="128,256,512")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--tag", default="", help="appended to the result files' names (e.g. -avx2)")
     args = ap.parse_args()
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        raise SystemExit("this CPU kernel set has no native bf16 (oneDNN needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT): "
+                         "ditsp computes bf16 convs in float32 here, so bf16 GEMM operands have nothing to gain")
     torch.set_num_threads(1)
     rows = []
     for c in (int(v) for v in args.widths.split(",")):
@@ -175,8 +189,9 @@ def main() -> None:
     meta = {"cpu_capability": capability, "torch": torch.__version__, "size": args.size, "frames": args.frames}
     args.out.mkdir(parents=True, exist_ok=True)
     text = markdown(rows, meta)
-    (args.out / "winograd-bf16-operands.md").write_text(text)
-    (args.out / "winograd-bf16-operands.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    (args.out / f"winograd-bf16-operands{args.tag}.md").write_text(text)
+    body = json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
+    (args.out / f"winograd-bf16-operands{args.tag}.json").write_text(body)
     print(text)
 
 
