@@ -16,14 +16,19 @@ class PeakMemory:
     """Peak memory a region of code adds: the CUDA allocator's peak, else the RSS high-water mark.
 
     On Linux the RSS peak (VmHWM) is reset at the start, so each measured
-    region is independent of what the process did before; free heap memory
-    is handed back first, so the starting RSS is what is live, not what
-    earlier work happened to leave cached (which moved the figure by a
-    megabyte from run to run).
+    region is independent of what the process did before. With ``settle``
+    (benchmarks) garbage is collected and free heap memory handed back first,
+    so the starting RSS is what is live, not what earlier work happened to
+    leave cached (which moved the figure by a megabyte from run to run).
+    Without it (the stages of a job) the reset alone: a full collection walks
+    every object torch's import made (~165k; 0.1 s on this project's 2-core VM),
+    which was 2 s of an 18 s ``ditsp upscale`` that measured its 19 stages, and
+    memory handed back is faulted in again by the next stage.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, settle: bool = True):
         self.device = device
+        self.settle = settle
 
     def start(self) -> None:
         if self.device.type == "cuda":
@@ -31,7 +36,8 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
             return
-        _release_free_heap()
+        if self.settle:
+            _release_free_heap()
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS

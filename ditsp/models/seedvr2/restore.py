@@ -102,7 +102,7 @@ class _Stages:
         self.cpu = dict.fromkeys(STAGES, 0.0)
         self.peak = dict.fromkeys(STAGES, 0)
         self.timeline: list[tuple[str, int, float, float]] = []
-        self.mem = PeakMemory(device)
+        self.mem = PeakMemory(device, settle=False)  # per stage: no collection between the stages of a job
         self.device = device
         self.t0 = time.perf_counter()
 
