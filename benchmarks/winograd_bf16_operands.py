@@ -17,7 +17,7 @@ On a kernel set without native bf16 (AVX2) ditsp computes bf16 convs in float32 
 and bf16 GEMMs are emulated, so there is nothing to gain: the script says so and stops.
 
 Run: ``PYTHONPATH=. python benchmarks/winograd_bf16_operands.py`` (one thread; ~1 minute). Writes
-``benchmarks/results/winograd-bf16-operands<--tag>.md`` and ``.json``.
+``benchmarks/results/winograd-bf16-operands.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -88,21 +88,13 @@ def gemm_seconds(variant: str, c_in: int, c_out: int, frames_out: int, h: int, w
     rows = frames_out * tiles
     a = torch.randn(rows + 2 * tiles, c_in).bfloat16()
     wt = torch.randn(c_out, c_in).bfloat16()
-    try:  # oneDNN with the weights packed, as ditsp's Winograd calls it
-        op, packed = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight(wt, rows)
+    op, packed = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight(wt, rows)
 
-        def gemm(rows_in):
-            return op(rows_in, packed, None, "none", [], "")
-    except RuntimeError:  # a kernel set without oneDNN's bf16 linear (AVX2): torch's own bf16 GEMM
-
-        def gemm(rows_in):
-            return F.linear(rows_in, wt)
-
-    def run():
+    def run():  # as ditsp's Winograd calls oneDNN: weights packed once, the taps as row offsets
         for _ in range(n * n):
-            acc = gemm(a[:rows])
-            acc += gemm(a[tiles:tiles + rows])
-            acc += gemm(a[2 * tiles:2 * tiles + rows])
+            acc = op(a[:rows], packed, None, "none", [], "")
+            acc += op(a[tiles:tiles + rows], packed, None, "none", [], "")
+            acc += op(a[2 * tiles:2 * tiles + rows], packed, None, "none", [], "")
 
     return _best(run, reps)
 
@@ -175,7 +167,6 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--widths", default="128,256,512")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
-    ap.add_argument("--tag", default="", help="appended to the result files' names (e.g. -avx2)")
     args = ap.parse_args()
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         raise SystemExit("this CPU kernel set has no native bf16 (oneDNN needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT): "
@@ -189,9 +180,8 @@ def main() -> None:
     meta = {"cpu_capability": capability, "torch": torch.__version__, "size": args.size, "frames": args.frames}
     args.out.mkdir(parents=True, exist_ok=True)
     text = markdown(rows, meta)
-    (args.out / f"winograd-bf16-operands{args.tag}.md").write_text(text)
-    body = json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
-    (args.out / f"winograd-bf16-operands{args.tag}.json").write_text(body)
+    (args.out / "winograd-bf16-operands.md").write_text(text)
+    (args.out / "winograd-bf16-operands.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(text)
 
 

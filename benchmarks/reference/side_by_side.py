@@ -565,12 +565,12 @@ def _prepare(args) -> None:
 def run(args) -> None:
     _prepare(args)
     log = args.work / "runs.jsonl"
+    done = {(r["case"], r["side"], r["rep"], r.get("kind", "timing")) for r in _load_log(log)}
     if args.profiles_only:
-        _profiles(args, log, {(r["case"], r["side"], r["rep"], r.get("kind", "timing")) for r in _load_log(log)})
+        _profiles(args, log, done)
         report(args)
         return
     cases = [c for c in all_cases(args.optional) if not args.only or any(s in c["name"] for s in args.only)]
-    done = {(r["case"], r["side"], r["rep"], r.get("kind", "timing")) for r in _load_log(log)}
     t_start = time.time()
     max_reps = max(c["reps"] for c in cases)
     if args.max_reps:
@@ -598,7 +598,7 @@ def run(args) -> None:
 
 
 def _profiles(args, log: Path, done: set) -> None:
-    """Both sides of ``--profile-case`` under torch.profiler (one warm call each, fresh processes)."""
+    """Both sides of each ``--profile-case`` under torch.profiler (fresh processes; :func:`_profile`)."""
     known = {c["name"]: c for c in all_cases(True)}
     for name in args.profile_case or ():
         if name not in known:
@@ -725,7 +725,7 @@ def _floor_table(rows: list[dict], profiles: list[dict]) -> list[str]:
         if ref is None or ours is None:
             continue
         if not lines:
-            lines = ["", "Where the time goes (one warm call each under torch.profiler, self CPU time): the share in "
+            lines = ["", "Where the time goes (torch.profiler, self CPU time): the share in "
                      "GEMM, convolution and attention kernels (`" + "`, `".join(KERNEL_OPS) + "`), the plain "
                      "GEMMs' rate from their recorded shapes against one big GEMM's on the same core, and the "
                      "floor: ditsp's kernel time over the reference's whole time (both profiled; of two calls, the "
