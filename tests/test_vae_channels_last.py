@@ -12,7 +12,7 @@ from ditsp.distributed.comm import Comm
 from ditsp.fixed_shape import DETERMINISTIC, FAST, use
 from ditsp.models.seedvr2.vae import TINY, channels_last, winograd
 from ditsp.models.seedvr2.vae.channels_last import is_channels_last
-from ditsp.models.seedvr2.vae.execution import row_moments
+from ditsp.models.seedvr2.vae.execution import Exec, row_moments
 from ditsp.models.seedvr2.vae.fixtures import seeded_vae
 from ditsp.models.seedvr2.vae.layers import CausalConv3d, GroupNorm, MidAttention, ResnetBlock, Upsample, \
     depth_to_space
@@ -67,6 +67,27 @@ def test_fast_policy_runs_every_layer_channels_last_with_the_same_result(chunk, 
     for a, b in zip(got, ref):
         assert a.is_contiguous()  # what leaves the VAE is in the usual layout
         assert rel(a, b) < FP32_REL
+
+
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_norms_write_each_causal_convs_input_behind_its_past_frames(chunk, monkeypatch):
+    """A norm feeding a causal conv writes behind room for the conv's past frames, so the conv joins no
+    copy of the whole activation; the bits are the cat's."""
+    vae, x = _vae(), _clip(9)
+    joins = []
+    cat = Exec._cat
+    monkeypatch.setattr(Exec, "_cat", lambda self, parts, dim: joins.append(dim) or cat(self, parts, dim))
+    with use(FAST):
+        got = _run(vae, x, chunk, True, monkeypatch)
+        saved = len(joins)
+        joins.clear()
+        monkeypatch.setattr(Exec, "_front", lambda self, conv, x: 0)
+        ref = _run(vae, x, chunk, True, monkeypatch)
+    # every ResnetBlock conv (2 per block) and both conv_outs read a norm's output
+    resnet_convs = 2 * sum(isinstance(m, ResnetBlock) for m in vae.modules()) + 2
+    assert len(joins) - saved >= resnet_convs * (1 if chunk is None else 2), (len(joins), saved)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
 
 
 def test_bf16_channels_last_error_is_the_contiguous_layouts(monkeypatch):

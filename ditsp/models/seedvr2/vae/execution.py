@@ -236,6 +236,7 @@ class Exec:
         self.H: int | None = None
         self.counts = {"conv": 0, "conv_2d_fast": 0}
         self._haloed = None  # the conv whose input rows the last norm already extended by its halos
+        self._fronted = None  # (conv, its padded input, the norm's output inside it): see _front
         self.memory_format = torch.contiguous_format  # the activations' layout, set by arrange()
 
     def arrange(self, x: torch.Tensor) -> torch.Tensor:
@@ -284,6 +285,7 @@ class Exec:
         a, T = self.t_start, x.shape[2]
         weight = None
         pending = None
+        fronted, self._fronted = self._fronted, None
         if kt > 1:
             past = self._past(layer, x)
             # The last kt - 1 frames of this piece's padded stream, for the next chunk / rank.
@@ -307,7 +309,12 @@ class Exec:
                 self.counts["conv_2d_fast"] += 1
             elif n_out > 0:
                 need = a + kt - 1 - _ceil_div(a, st) * st
-                x = self._cat([past_full[:, :, kt - 1 - need:], x], 2)
+                if fronted is not None and fronted[0] is layer and fronted[2] is x and \
+                        fronted[1].shape[2] - T == need:
+                    x = fronted[1]  # the norm wrote x behind room for these frames: no cat
+                    x[:, :, :need] = past_full[:, :, kt - 1 - need:]
+                else:
+                    x = self._cat([past_full[:, :, kt - 1 - need:], x], 2)
         else:
             n_out = T
         if self.rows is not None:
@@ -391,10 +398,27 @@ class Exec:
             rm, r2 = both[0], both[1]
         if not h:
             return x.clone()
-        return self._normalise(layer, x, rm, r2, silu)
+        return self._normalise(layer, x, rm, r2, silu, then)
 
-    def _normalise(self, layer, x: torch.Tensor, rm: torch.Tensor, r2: torch.Tensor, silu: bool) -> torch.Tensor:
-        """``x`` normalised with the frame statistics merged from the whole frame's row moments."""
+    def _front(self, conv, x: torch.Tensor) -> int:
+        """Frames to leave free in front of a norm's output that causal ``conv`` reads next (0: none).
+
+        A causal conv reads its input behind the ``k_t - 1`` frames before the piece; joining them is
+        a copy of the whole activation. Written behind that room instead, the conv fills in just those
+        frames (:meth:`conv`). For the channels-last layout (frames outermost per clip) on one device
+        or a time split, inference only; a height slab joins halo rows too and keeps the cat.
+        """
+        if (conv is None or self.memory_format != torch.channels_last_3d or self.rows is not None
+                or conv.kernel[0] <= 1 or conv.stride[0] != 1 or torch.is_grad_enabled() or not x.shape[2]):
+            return 0
+        if self.t_start == 0 and x.shape[2] == 1 and self.image_fast_path:
+            return 0  # the conv sums its taps instead (an image): no past frames
+        return conv.kernel[0] - 1
+
+    def _normalise(self, layer, x: torch.Tensor, rm: torch.Tensor, r2: torch.Tensor, silu: bool,
+                   then=None) -> torch.Tensor:
+        """``x`` normalised with the frame statistics merged from the whole frame's row moments
+        (written behind room for conv ``then``'s past frames where :meth:`_front` says so)."""
         b, c, t, h, w = x.shape
         g = layer.num_groups
         cg = c // g
@@ -413,6 +437,18 @@ class Exec:
                           shift.expand(b, g, cg, t, 1, 1).to(x.dtype), silu)
             # the compiled kernel picks its own output strides: back to the piece's layout
             return y.reshape(x.shape).contiguous(memory_format=self.memory_format)
+        front = self._front(then, x)
+        if front:
+            with torch.no_grad():
+                full = torch.empty((b, c, t + front, h, w), dtype=x.dtype, device=x.device,
+                                   memory_format=self.memory_format)
+                y = full[:, :, front:]
+                torch.addcmul(shift.to(x.dtype), x.view(b, g, cg, t, h, w), scale.to(x.dtype),
+                              out=y.view(b, g, cg, t, h, w))
+                if silu:
+                    F.silu(y, inplace=True)
+            self._fronted = (then, full, y)
+            return y
         with torch.no_grad():  # inference only; out= refuses tensors that track gradients
             buf, y = padded_like(x, self.memory_format)
             torch.addcmul(shift.to(x.dtype), x.view(b, g, cg, t, h, w), scale.to(x.dtype),
