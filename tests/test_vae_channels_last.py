@@ -177,6 +177,34 @@ def test_sharded_modes_channels_last_match_one_device(clusters, world, monkeypat
         assert rel(z, ref[0]) < FP32_REL and rel(y, ref[1]) < FP32_REL, mode
 
 
+def slab_joins(ctx, mode):
+    """Height slabs on this rank with and without norms writing behind the causal convs' past frames:
+    the outputs and the number of joined copies each way."""
+    torch.set_num_threads(1)
+    pv = ParallelVAE(_vae(), Comm(ctx.group), chunk=1)
+    joins, cat, front = [], Exec._cat, Exec._front
+    Exec._cat = lambda self, parts, dim: joins.append(dim) or cat(self, parts, dim)
+    out = {}
+    try:
+        for name, fn in (("front", front), ("cat", lambda self, conv, x: 0)):
+            Exec._front = fn
+            joins.clear()
+            with use(FAST), torch.no_grad():
+                z = pv.encode(_clip(9, 40, 24), mode=mode).posterior.mean
+                out[name] = (z, pv.decode(z, mode=mode), len(joins))
+    finally:
+        Exec._cat, Exec._front = cat, front
+    return out
+
+
+@pytest.mark.parametrize("mode", ["height", "height+chunks"])
+def test_height_slabs_write_each_causal_convs_input_behind_its_past_frames(clusters, mode):
+    for rank in clusters(2).run(slab_joins, mode):
+        (z, y, n_front), (z_cat, y_cat, n_cat) = rank["front"], rank["cat"]
+        assert torch.equal(z, z_cat) and torch.equal(y, y_cat)
+        assert n_cat - n_front >= 50, (n_cat, n_front)  # the 48 ResnetBlock convs and 2 conv_outs, at least
+
+
 def test_direct_calls_reuse_one_channels_last_weight_until_winograd_takes_over(monkeypatch):
     """oneDNN copies a contiguous weight to the input's layout on every call: a channels-last input gets the
     conv's cached channels-last copy instead (the same bits), built once, dropped with the Winograd build."""

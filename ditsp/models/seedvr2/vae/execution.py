@@ -405,11 +405,15 @@ class Exec:
 
         A causal conv reads its input behind the ``k_t - 1`` frames before the piece; joining them is
         a copy of the whole activation. Written behind that room instead, the conv fills in just those
-        frames (:meth:`conv`). For the channels-last layout (frames outermost per clip) on one device
-        or a time split, inference only; a height slab joins halo rows too and keeps the cat.
+        frames (:meth:`conv`). For the channels-last layout (frames outermost per clip), inference only,
+        on whole frames or on a height slab whose norm brings the conv's halo rows (:meth:`_fuses`; any
+        other slab joins its halo rows after the frames, a copy anyway).
         """
-        if (conv is None or self.memory_format != torch.channels_last_3d or self.rows is not None
-                or conv.kernel[0] <= 1 or conv.stride[0] != 1 or torch.is_grad_enabled() or not x.shape[2]):
+        if conv is None or conv.kernel[0] <= 1 or conv.stride[0] != 1 or not x.shape[2]:
+            return 0
+        if self.memory_format != torch.channels_last_3d or torch.is_grad_enabled():
+            return 0
+        if self.rows is not None and not self._fuses(conv):
             return 0
         if self.t_start == 0 and x.shape[2] == 1 and self.image_fast_path:
             return 0  # the conv sums its taps instead (an image): no past frames
@@ -496,7 +500,7 @@ class Exec:
             em[zt + fp + h:zt + fp + h + fn] = parts[r + 1][stats_len:].view(x.dtype).view(border.shape)[:fn]
         if zb:
             em[-zb:].zero_()
-        y = self._normalise(layer, ext, rm, r2, silu)
+        y = self._normalise(layer, ext, rm, r2, silu, then)
         ym = y.movedim(3, 0)
         if zt:
             ym[:zt].zero_()  # the conv's zero padding at the image border, after the norm
