@@ -442,19 +442,14 @@ class Exec:
             # the compiled kernel picks its own output strides: back to the piece's layout
             return y.reshape(x.shape).contiguous(memory_format=self.memory_format)
         front = self._front(then, x)
-        if front:
-            with torch.no_grad():
+        with torch.no_grad():  # inference only; out= refuses tensors that track gradients
+            if front:  # behind room for the conv's past frames; the SiLU over y alone
                 full = torch.empty((b, c, t + front, h, w), dtype=x.dtype, device=x.device,
                                    memory_format=self.memory_format)
-                y = full[:, :, front:]
-                torch.addcmul(shift.to(x.dtype), x.view(b, g, cg, t, h, w), scale.to(x.dtype),
-                              out=y.view(b, g, cg, t, h, w))
-                if silu:
-                    F.silu(y, inplace=True)
-            self._fronted = (then, full, y)
-            return y
-        with torch.no_grad():  # inference only; out= refuses tensors that track gradients
-            buf, y = padded_like(x, self.memory_format)
+                y = buf = full[:, :, front:]
+                self._fronted = (then, full, y)
+            else:
+                buf, y = padded_like(x, self.memory_format)
             torch.addcmul(shift.to(x.dtype), x.view(b, g, cg, t, h, w), scale.to(x.dtype),
                           out=y.view(b, g, cg, t, h, w))
             if silu:
