@@ -219,3 +219,25 @@ def test_wavelet_blur_equals_a_dilated_depthwise_conv():
             torch.nn.functional.pad(x, (r, r, r, r), mode="replicate"), k, groups=3, dilation=r
         )
         assert _maxabs(cf.wavelet_blur(x, r), ref) <= 1e-6
+
+
+def _blur_by_rounded_products(x: torch.Tensor, r: int) -> torch.Tensor:
+    """The blur as written down: nine rounded products, each its own tensor, summed in order."""
+    h, w = x.shape[-2:]
+    padded = torch.nn.functional.pad(x.float(), (r, r, r, r), mode="replicate")
+    terms = [padded[..., i * r : i * r + h, j * r : j * r + w] * (wi * wj / 16)
+             for i, wi in enumerate((1.0, 2.0, 1.0)) for j, wj in enumerate((1.0, 2.0, 1.0))]
+    out = terms[0]
+    for t in terms[1:]:
+        out = out + t
+    return out.to(x.dtype)
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wavelet_blur_in_place_sum_has_the_bits_of_the_rounded_products(dtype):
+    # The in-place weighted adds rely on power-of-two weights (exact products): same bits, not just close.
+    g = torch.Generator().manual_seed(1)
+    x = ((torch.rand(3, 3, 37, 29, generator=g) * 2 - 1) * torch.logspace(-6, 0, 29)).to(dtype)
+    for r in (1, 2, 4, 8, 16, 64):
+        assert torch.equal(cf.wavelet_blur(x, r), _blur_by_rounded_products(x, r))
