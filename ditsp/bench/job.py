@@ -96,8 +96,9 @@ def format_table(sps: list[int], best: dict[int, dict]) -> list[str]:
         lines.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in vals) + " | " + " | ".join(ratios) + " |")
 
     for k in STAGES:
-        row(f"{k} s (rank 0 wall)", lambda b, k=k: b["stage_s"][k])
-    row("stages, sum s", lambda b: sum(b["stage_s"].values()))
+        where = "rank 0's writer thread, behind the next window" if k == "write" else "rank 0 wall"
+        row(f"{k} s ({where})", lambda b, k=k: b["stage_s"][k])
+    row("stages, sum s (the write overlaps them)", lambda b: sum(b["stage_s"].values()))
     row("stages, CPU s of the slowest rank", lambda b: sum(b["stage_cpu_max_rank_s"].values()))
     for k in PHASES:
         row(f"{PHASE_LABELS[k]} s", lambda b, k=k: b["phases_s"][k])

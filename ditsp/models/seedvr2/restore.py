@@ -62,6 +62,7 @@ from .weights import load
 from .restore_report import STAGES, format_report, plot_report, summarize  # noqa: F401 - re-exported
 from ...io.probe import open_media
 from ...io.write import VideoWriter, write_image
+from ...io.write_behind import WriteBehind
 from .vae.sharded import ParallelVAE
 from ...io.probe import frame_times
 from ...io.probe import count_frames
@@ -121,6 +122,12 @@ class _Stages:
         self.peak[stage] = max(self.peak[stage], self.mem.peak_added())
         self.timeline.append((stage, window, a - self.t0, b - self.t0))
         return out
+
+    def record(self, stage: str, window: int, start: float, end: float, cpu: float) -> None:
+        """A stage another thread ran (``start``/``end`` from ``time.perf_counter``): time and timeline only."""
+        self.time[stage] += end - start
+        self.cpu[stage] += cpu
+        self.timeline.append((stage, window, start - self.t0, end - self.t0))
 
 
 def _geometry(req: UpscaleRequest, width: int, height: int):
@@ -194,8 +201,9 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
         if rank0 and not is_image:
             fps = req.fps or info.rate or info.fps or DEFAULT_FPS
             times = _input_times(req, info, frames_total, media_notes)
-            writer = VideoWriter(req.output, fps, crf=req.crf, times=times,
-                                 audio_from=req.input if info.has_audio else None, overwrite=req.overwrite)
+            writer = WriteBehind(VideoWriter(req.output, fps, crf=req.crf, times=times,
+                                             audio_from=req.input if info.has_audio else None,
+                                             overwrite=req.overwrite))
         for win in plan:
             bar.set_postfix_str(f"window {win.index + 1}/{len(plan)} read+encode")
             u8 = st.run("read", win.index, frames.take, win.start, win.stop)
@@ -231,13 +239,19 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
                 if is_image:
                     st.run("write", win.index, lambda: write_image(req.output, out[0], overwrite=req.overwrite))
                 else:
-                    st.run("write", win.index, writer.write, out)
+                    writer.write(out, tag=win.index)  # encoded behind the next window (its own thread)
                 written += out.shape[0]
+            if writer is not None:
+                writer.check()  # an earlier window's write error: raised here, before every rank's boundary
             _all_ok(comm)
         if rank0:
             blender.flush()
         if writer is not None:
-            st.run("write", len(plan), writer.close)
+            writer.finish()
+            for index, start, end, cpu in writer.busy:
+                st.record("write", index, start, end, cpu)
+            st.timeline.sort(key=lambda entry: entry[2])
+            st.run("write", len(plan), writer.writer.close)
     except BaseException:
         if writer is not None:
             writer.abort()
