@@ -57,7 +57,21 @@ def test_auto_runs_and_reports_its_mode():
     pv = ParallelVAE(seeded_vae(TINY))
     x = torch.rand(1, 3, 5, 16, 16) * 2 - 1
     enc = pv.encode(x)
-    assert enc.mode == "height" and "mode height (SP=1, auto: the first exact mode that fits" in enc.report
+    assert enc.mode == "chunked" and "mode chunked (SP=1, auto: the first exact mode that fits" in enc.report
+
+
+def test_one_device_auto_never_takes_a_mode_that_splits_across_ranks():
+    """One device: a height slab or a time split is the whole clip through the split machinery, so auto
+    takes the leanest whole-frame mode; two ranks still take the height slabs first."""
+    from ditsp.models.seedvr2.vae.modes import BY_NAME
+
+    for shape in ((17, 256, 256), (81, 720, 1280), (1, 720, 1280)):
+        one = choose_mode(RELEASED, shape, 1, None)
+        assert one.mode == "chunked" and not BY_NAME[one.mode].splits
+        assert choose_mode(RELEASED, shape, 2, None).mode == "height"
+    lean = estimate(RELEASED, "decode", (81, 720, 1280), 1, "chunked").total
+    assert lean < estimate(RELEASED, "decode", (81, 720, 1280), 1, "replicated").total
+    assert lean < estimate(RELEASED, "decode", (81, 720, 1280), 1, "height").total
 
 
 def test_tiles_and_ramp():

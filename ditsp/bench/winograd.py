@@ -26,6 +26,7 @@ import torch
 
 from ..argtypes import positive_int, positive_int_list
 from . import declare
+from ..models.seedvr2.vae.modes import AUTO, CHOICES
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -42,7 +43,8 @@ def _cpu(fn) -> tuple[float, object]:
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def measure(clip, repeats: int, widths=None, shapes: bool = True, max_warm: int = 20, dtype: str = "fp32") -> dict:
+def measure(clip, repeats: int, widths=None, shapes: bool = True, max_warm: int = 20, dtype: str = "fp32",
+            vae_mode: str = "auto") -> dict:
     """Whole-VAE and per-shape timings (see the module docstring); ``widths``: other than the released ones."""
     import torch.nn.functional as F
 
@@ -66,11 +68,14 @@ def measure(clip, repeats: int, widths=None, shapes: bool = True, max_warm: int 
         seen[(tuple(xx.shape), tuple(weight.shape), tuple(padding))] += 1
         return real(xx, weight, bias, padding, cache, **kw)
 
+    modes = set()
+
     def run(flag: str):
         os.environ[winograd.ENV] = flag
         with use(FAST), torch.no_grad():
-            z = pv.encode(x).posterior.mean
-            return z, pv.decode(z)
+            enc = pv.encode(x, vae_mode)
+            modes.add(enc.mode)
+            return enc.posterior.mean, pv.decode(enc.posterior.mean, vae_mode)
 
     caches = [m.winograd for m in vae.modules() if isinstance(getattr(m, "winograd", None), winograd.WeightCache)]
 
@@ -105,7 +110,8 @@ def measure(clip, repeats: int, widths=None, shapes: bool = True, max_warm: int 
             os.environ[winograd.ENV] = before
     direct, wino = min(times["0"]), min(times["1"])
     cache_bytes = sum(16 * m.weight.numel() for m in built())  # 36 float32 positions per 9 taps of each filter
-    whole = {"clip": list(clip), "widths": list(cfg.widths), "dtype": dtype, "direct_cpu_s": direct, "winograd_cpu_s": wino,
+    whole = {"clip": list(clip), "widths": list(cfg.widths), "dtype": dtype, "vae_mode": "/".join(sorted(modes)),
+             "direct_cpu_s": direct, "winograd_cpu_s": wino,
              "ratio": wino / direct, "speedup": direct / wino, "direct_runs_s": times["0"],
              "winograd_runs_s": times["1"], "first_direct_cpu_s": direct_first,
              "warmup_winograd_runs_s": warm, "filter_cache_gib": cache_bytes / 2 ** 30,
@@ -143,7 +149,8 @@ def format_report(res: dict) -> list[str]:
     w = res["whole"]
     clip = "x".join(map(str, w["clip"]))
     lines = [f"VAE widths {'/'.join(map(str, w['widths']))}, encode + decode of a {clip} "
-             f"{ {'fp32': 'float32', 'bf16': 'bfloat16'}[w.get('dtype', 'fp32')]} clip, fast policy, "
+             f"{ {'fp32': 'float32', 'bf16': 'bfloat16'}[w.get('dtype', 'fp32')]} clip, VAE mode "
+             f"{w.get('vae_mode', 'height')}, fast policy, "
              "one thread; process CPU seconds, min over the interleaved runs.", "",
              "| direct CPU s | Winograd CPU s | Winograd / direct | speedup | latent max rel. diff | "
              "decoded max rel. diff | first run: direct / Winograd CPU s | Winograd runs until every filter is "
@@ -178,6 +185,7 @@ def _arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-shapes", action="store_true", help="the whole VAE only")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                    help="the VAE's dtype (bf16 convs are computed in float32 by Winograd)")
+    p.add_argument("--vae-mode", choices=CHOICES, default=AUTO, help="the VAE's mode (auto: what one device runs)")
     p.add_argument("--out", default="benchmarks/results")
     return p
 
@@ -192,7 +200,8 @@ def main(args=None, parser=None) -> int:
         args = _arguments(argparse.ArgumentParser()).parse_args()
     if len(args.clip) != 3:
         (parser or argparse.ArgumentParser()).error("--clip: expected T,H,W")
-    res = measure(tuple(args.clip), args.repeats, args.widths, shapes=not args.no_shapes, dtype=args.dtype)
+    res = measure(tuple(args.clip), args.repeats, args.widths, shapes=not args.no_shapes, dtype=args.dtype,
+                  vae_mode=args.vae_mode)
     lines = format_report(res)
     print("\n".join(lines))
     out = Path(args.out)

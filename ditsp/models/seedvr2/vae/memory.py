@@ -289,7 +289,7 @@ def choose_mode(cfg: VaeConfig, shape, world: int, budget: int | None, dtype=tor
     A pure function of its arguments, so every rank that agreed on them picks the same mode.
     """
     t = cfg.latent_shape(*shape)[0]
-    cands = [m for m in AUTO_ORDER if t >= BY_NAME[m].min_latent_frames]
+    cands = [m for m in AUTO_ORDER if t >= BY_NAME[m].min_latent_frames and (world > 1 or not BY_NAME[m].splits)]
 
     def peak(m: str) -> int:
         return max(estimate(cfg, op, shape, world, m, dtype, chunk, tile, overlap,
