@@ -230,3 +230,33 @@ def test_direct_calls_reuse_one_channels_last_weight_until_winograd_takes_over(m
         monkeypatch.setattr(winograd, "BUILD_PIXELS", 0)
         conv.apply(x, rows_padded=False)  # now by Winograd: the filters replace the copy
         assert conv.winograd.filters is not None and conv.winograd.last_weight is None
+
+
+def slab_halo_joins(ctx, mode):
+    """Height slabs whose causal convs take past frames and halo rows, joined in one buffer or one after
+    the other: the outputs and the number of whole-activation joins each way."""
+    torch.set_num_threads(1)
+    pv = ParallelVAE(_vae(), Comm(ctx.group), chunk=1)
+    joins, cat = [], Exec._cat
+    Exec._cat = lambda self, parts, dim: joins.append(dim) or cat(self, parts, dim)
+    out = {}
+    try:
+        for name, joined in (("one buffer", True), ("two joins", False)):
+            Exec.joins_past_with_halo = joined
+            joins.clear()
+            with use(FAST), torch.no_grad():
+                z = pv.encode(_clip(9, 40, 24), mode=mode).posterior.mean
+                out[name] = (z, pv.decode(z, mode=mode), len(joins))
+    finally:
+        Exec._cat, Exec.joins_past_with_halo = cat, True
+    return out
+
+
+@pytest.mark.parametrize("mode", ["height", "height+chunks"])
+def test_height_slabs_join_past_frames_and_halo_rows_in_one_buffer(clusters, mode):
+    """Convs no norm feeds (the first conv of each side, the upsamplers' convs) took two copies of the
+    activation (frames, then rows); now one, with the same bits."""
+    for rank in clusters(2).run(slab_halo_joins, mode):
+        (z, y, n_one), (z_two, y_two, n_two) = rank["one buffer"], rank["two joins"]
+        assert torch.equal(z, z_two) and torch.equal(y, y_two)
+        assert n_two - n_one >= 10, (n_two, n_one)  # encoder and decoder conv_in, and the upsamplers' convs

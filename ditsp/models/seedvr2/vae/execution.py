@@ -225,6 +225,8 @@ class Exec:
     split that holds just frame 0 must run the taps over the frame-0 copies as one device does.
     """
 
+    joins_past_with_halo = True  # a slab's causal conv builds past frames and halo rows in one buffer (_halo)
+
     def __init__(self, comm: Comm | None = None, *, time_chain: bool = False, carry: dict | None = None,
                  image_fast_path: bool = True):
         self.comm = comm or Comm.single()
@@ -285,6 +287,7 @@ class Exec:
         a, T = self.t_start, x.shape[2]
         weight = None
         pending = None
+        joined_past = None  # past frames still to join (a slab's conv joins them with its halo rows)
         fronted, self._fronted = self._fronted, None
         if kt > 1:
             past = self._past(layer, x)
@@ -313,6 +316,9 @@ class Exec:
                         fronted[1].shape[2] - T == need:
                     x = fronted[1]  # the norm wrote x behind room for these frames: no cat
                     x[:, :, :need] = past_full[:, :, kt - 1 - need:]
+                elif need and self.rows is not None and self._haloed is not layer and self.joins_past_with_halo \
+                        and not torch.is_grad_enabled():
+                    joined_past = past_full[:, :, kt - 1 - need:]  # joined with the halo rows: one copy
                 else:
                     x = self._cat([past_full[:, :, kt - 1 - need:], x], 2)
         else:
@@ -321,7 +327,7 @@ class Exec:
             if self._haloed is layer:  # the norm before this conv gathered its halo rows already
                 rows_out, H_out, _ = conv_rows(layer, self.rows, self.H)
             else:
-                x, rows_out, H_out = self._halo(layer, x)
+                x, rows_out, H_out = self._halo(layer, x, joined_past)
         self._haloed = None
         if n_out <= 0 or x.shape[3] == 0:
             b = x.shape[0]
@@ -339,13 +345,21 @@ class Exec:
             self.rows, self.H = rows_out, H_out
         return y
 
-    def _halo(self, layer, x: torch.Tensor):
+    def _halo(self, layer, x: torch.Tensor, past: torch.Tensor | None = None):
+        """``x`` extended by the conv's halo rows (and zero rows at the image border): (x, rows, H) after it.
+
+        ``past``: causal frames to put in front of ``x`` as well. Frames and rows then go into one
+        buffer, ``x`` copied once (joined one after the other they were two copies of the activation);
+        the rows sent are those of the joined stream either way, so the bits are the same.
+        """
         rows_out, H_out, halos = conv_rows(layer, self.rows, self.H)
         r, n = self.comm.rank, self.comm.world_size
         zt, fp, fn, zb = halos[r]
         to_prev = halos[r - 1][2] if r > 0 else 0
         to_next = halos[r + 1][1] if r + 1 < n else 0
         slot = max(max(h[1], h[2]) for h in halos)  # the same on every rank: one common row layout
+        if past is not None:
+            return self._halo_joined(x, past, rows_out, H_out, (zt, fp, fn, zb), to_prev, to_next, slot)
         top, bottom = exchange_rows(self.comm, x, 3, from_prev=fp, from_next=fn, to_prev=to_prev, to_next=to_next,
                                     kind="halo_rows", slot=slot)
         parts = []
@@ -363,6 +377,36 @@ class Exec:
         elif rows_out[r][1] <= rows_out[r][0]:
             x = x[:, :, :, :0]
         return x, rows_out, H_out
+
+    def _halo_joined(self, x: torch.Tensor, past: torch.Tensor, rows_out, H_out, halo, to_prev: int, to_next: int,
+                     slot: int):
+        """:meth:`_halo` of ``past`` frames followed by ``x``, built in one buffer."""
+        zt, fp, fn, zb = halo
+        r = self.comm.rank
+        b, c, t, h, w = x.shape
+        p = past.shape[2]
+        if to_prev > h or to_next > h:
+            raise ValueError(f"rank {r} holds {h} rows but must send {to_prev} up and {to_next} down")
+
+        def rows(a: int, k: int) -> torch.Tensor:  # rows a..a+k of the joined stream (past frames, then x)
+            return torch.cat([past.narrow(3, a, k), x.narrow(3, a, k)], 2)
+
+        strip = torch.cat([rows(0, to_prev), rows(h - to_next, to_next)], 3)  # only the rows that travel
+        top, bottom = exchange_rows(self.comm, strip, 3, from_prev=fp, from_next=fn, to_prev=to_prev,
+                                    to_next=to_next, kind="halo_rows", slot=slot)
+        if rows_out[r][1] <= rows_out[r][0]:
+            return x.new_empty((b, c, p + t, 0, w)), rows_out, H_out
+        ext = torch.empty((b, c, p + t, zt + fp + h + fn + zb, w), dtype=x.dtype, device=x.device,
+                          memory_format=self.memory_format)
+        ext[:, :, :, :zt].zero_()
+        if top is not None:
+            ext[:, :, :, zt:zt + fp] = top
+        ext[:, :, :p, zt + fp:zt + fp + h] = past
+        ext[:, :, p:, zt + fp:zt + fp + h] = x
+        if bottom is not None:
+            ext[:, :, :, zt + fp + h:zt + fp + h + fn] = bottom
+        ext[:, :, :, zt + fp + h + fn:].zero_()
+        return ext, rows_out, H_out
 
     # -- GroupNorm per frame ---------------------------------------------------
 
