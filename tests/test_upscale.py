@@ -70,13 +70,14 @@ def test_windows_cover_the_clip_and_blend(clusters, tmp_path):
     assert seams["seam"] > 0 and seams["inside"] > 0 and seams["ratio"] < 1.5  # a boundary does not stand out
 
 
-def test_image_in_png_out(tmp_path):
+def test_image_in_png_out(tmp_path, capsys):
     img = tmp_path / "in.png"
     write_image(img, torch.randint(0, 255, (40, 56, 3), dtype=torch.uint8))
     out = tmp_path / "out.png"
     assert main(["upscale", str(img), "-o", str(out), "--scale", "1", "--no-progress"]) == 0
     info = probe(out)
     assert info.kind == "image" and info.size == (48, 32)  # 56x40 cropped to multiples of 16
+    assert "encoded in a thread of their own" not in capsys.readouterr().out  # an image is written at once
 
 
 def test_folder_of_frames_and_json_report(tmp_path, capsys):
@@ -87,7 +88,7 @@ def test_folder_of_frames_and_json_report(tmp_path, capsys):
     out = tmp_path / "out.mp4"
     assert main(["upscale", str(folder), "-o", str(out), "--resolution", "32x32", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["frames_written"] == 5 and probe(out).frames == 5
+    assert report["frames_written"] == 5 and probe(out).frames == 5 and report["written_behind"]
     assert set(report["stage_s"]) == {"read", "vae_encode", "dit", "vae_decode", "color_fix", "write"}
     assert report["dit_path"].startswith("window-aligned") and report["vae_modes"]
     assert "memory estimate" in report["memory_estimate"]

@@ -272,6 +272,7 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
         report.update({
             "input": req.input, "output": req.output, "request": asdict(req),
             "frames": frames_total, "frames_written": written, "fps": info.fps, "audio": info.has_audio,
+            "written_behind": writer is not None,
             "geometry": geo.describe(), "output_size": [geo.out_width, geo.out_height],
             "windows": [[w.start, w.stop] for w in plan], "dit_path": dit_report, "media_notes": media_notes,
             "vae_modes": sorted(vae_reports), "sha256": digest.hexdigest(), "timeline": st.timeline,

@@ -40,8 +40,9 @@ def format_report(s: dict) -> str:
         peak = max(r[k] for r in s["rank_stage_peak_bytes"])
         lines.append(f"{k:<11} {s['stage_s'][k]:>8.2f} {100 * s['stage_s'][k] / max(total, 1e-9):>5.0f}% "
                      f"{peak / 2**20:>20.1f}")
-    lines.append("(a video's frames are encoded in a thread of their own, behind the next window: the write's time "
-                 "overlaps the stages after it)")
+    if s.get("written_behind"):  # a video (an image is written at once)
+        lines.append("(the frames are encoded in a thread of their own, behind the next window: the write's time "
+                     "overlaps the stages after it)")
     lines.append(f"bytes moved (all ranks): {s['bytes_moved'] / 2**20:.2f} MiB; frames sha256 {s['sha256'][:16]}")
     if s.get("seams"):
         m = s["seams"]
