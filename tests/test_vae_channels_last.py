@@ -260,3 +260,31 @@ def test_height_slabs_join_past_frames_and_halo_rows_in_one_buffer(clusters, mod
         (z, y, n_one), (z_two, y_two, n_two) = rank["one buffer"], rank["two joins"]
         assert torch.equal(z, z_two) and torch.equal(y, y_two)
         assert n_two - n_one >= 10, (n_two, n_one)  # encoder and decoder conv_in, and the upsamplers' convs
+
+
+def slab_norm_pieces(ctx, mode):
+    """Height slabs whose norms normalise their rows and received halo rows straight into the output, or
+    join them into an extended copy first: the outputs and the bytes allocated each way."""
+    torch.set_num_threads(1)
+    pv = ParallelVAE(_vae(), Comm(ctx.group), chunk=1)
+    out, calls, rows = {}, [], Exec._normalise_rows
+    Exec._normalise_rows = lambda self, *a, **k: calls.append(1) or rows(self, *a, **k)
+    try:
+        for name, pieces in (("pieces", True), ("copy", False)):
+            Exec.normalises_rows_in_place = pieces
+            calls.clear()
+            with use(FAST), torch.no_grad():
+                z = pv.encode(_clip(9, 40, 24), mode=mode).posterior.mean
+                out[name] = (z, pv.decode(z, mode=mode), len(calls))
+    finally:
+        Exec.normalises_rows_in_place, Exec._normalise_rows = True, rows
+    return out
+
+
+@pytest.mark.parametrize("mode", ["height", "height+chunks"])
+def test_height_slab_norms_write_rows_and_halos_without_a_joined_copy(clusters, mode):
+    for world in (2, 3):
+        for rank in clusters(world).run(slab_norm_pieces, mode):
+            (z, y, n), (z_copy, y_copy, n_copy) = rank["pieces"], rank["copy"]
+            assert torch.equal(z, z_copy) and torch.equal(y, y_copy)
+            assert n >= 50 and n_copy == 0, (n, n_copy)  # every ResnetBlock norm and the conv_outs' norms

@@ -196,7 +196,12 @@ def padded_like(x: torch.Tensor, memory_format=torch.contiguous_format) -> tuple
     Padding the buffer so each thread's share (``ceil(n / threads)``, the split PyTorch's
     ``parallel_for`` makes) is a multiple of ``_LANES`` puts every element on the SIMD path.
     """
-    n = x.numel()
+    return padded_buffer(x.shape, x.dtype, x.device, memory_format)
+
+
+def padded_buffer(shape, dtype, device, memory_format=torch.contiguous_format) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`padded_like` of a tensor of ``shape``, ``dtype`` and ``device``."""
+    n = math.prod(shape)
     threads = max(1, torch.get_num_threads())
     grain = 32768  # at::internal::GRAIN_SIZE
     m = -(-max(n, 1) // _LANES) * _LANES
@@ -205,13 +210,13 @@ def padded_like(x: torch.Tensor, memory_format=torch.contiguous_format) -> tuple
         if m % (_LANES * nt) == 0:
             break
         m = -(-m // (_LANES * nt)) * (_LANES * nt)
-    buf = x.new_empty(m)
+    buf = torch.empty(m, dtype=dtype, device=device)
     if m > n:
         buf[n:].zero_()
     if memory_format == torch.channels_last_3d:
-        b, c, t, h, w = x.shape
+        b, c, t, h, w = shape
         return buf, buf[:n].view(b, t, h, w, c).permute(0, 4, 1, 2, 3)
-    return buf, buf[:n].view(x.shape)
+    return buf, buf[:n].view(tuple(shape))
 
 
 class Exec:
@@ -226,6 +231,7 @@ class Exec:
     """
 
     joins_past_with_halo = True  # a slab's causal conv builds past frames and halo rows in one buffer (_halo)
+    normalises_rows_in_place = True  # a slab's norm writes its rows and halos straight to its output (_normalise_rows)
 
     def __init__(self, comm: Comm | None = None, *, time_chain: bool = False, carry: dict | None = None,
                  image_fast_path: bool = True):
@@ -463,11 +469,10 @@ class Exec:
             return 0  # the conv sums its taps instead (an image): no past frames
         return conv.kernel[0] - 1
 
-    def _normalise(self, layer, x: torch.Tensor, rm: torch.Tensor, r2: torch.Tensor, silu: bool,
-                   then=None) -> torch.Tensor:
-        """``x`` normalised with the frame statistics merged from the whole frame's row moments
-        (written behind room for conv ``then``'s past frames where :meth:`_front` says so)."""
-        b, c, t, h, w = x.shape
+    @staticmethod
+    def _scale_shift(layer, shape, rm: torch.Tensor, r2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norm's float32 (B, G, 1, T, 1, 1) scale and shift per (group, channel, frame): y = x * scale + shift."""
+        b, c, t, h, w = shape
         g = layer.num_groups
         cg = c // g
         mean, var = frame_stats(rm.contiguous(), r2.contiguous(), cg * w)
@@ -477,7 +482,16 @@ class Exec:
         gamma = layer.weight.float().view(1, g, cg, 1, 1, 1)
         beta = layer.bias.float().view(1, g, cg, 1, 1, 1)
         scale = rstd * gamma
-        shift = beta - mean * scale
+        return scale, beta - mean * scale
+
+    def _normalise(self, layer, x: torch.Tensor, rm: torch.Tensor, r2: torch.Tensor, silu: bool,
+                   then=None) -> torch.Tensor:
+        """``x`` normalised with the frame statistics merged from the whole frame's row moments
+        (written behind room for conv ``then``'s past frames where :meth:`_front` says so)."""
+        b, c, t, h, w = x.shape
+        g = layer.num_groups
+        cg = c // g
+        scale, shift = self._scale_shift(layer, x.shape, rm, r2)
         fused = fused_norm(layer)
         if fused is not None:  # --compile: normalise and SiLU in one pass (ditsp.models.seedvr2.compiled)
             with torch.no_grad():
@@ -528,15 +542,25 @@ class Exec:
         both = torch.cat([p[:k * per_row] for p, k in zip(parts, counts)]).view(torch.float64)
         both = both.view((sum(counts), 2) + tuple(rm.shape[:-1])).movedim(0, -1)
         rm, r2 = both[0], both[1]
+        self._haloed = then
+        received = [None, None]
+        if fp:
+            received[0] = parts[r - 1][stats_len:].view(x.dtype).view(border.shape)[slot:slot + fp].movedim(0, 3)
+        if fn:
+            received[1] = parts[r + 1][stats_len:].view(x.dtype).view(border.shape)[:fn].movedim(0, 3)
+        if self.normalises_rows_in_place and self.memory_format == torch.channels_last_3d \
+                and not torch.is_grad_enabled() and fused_norm(layer) is None:
+            y = self._normalise_rows(layer, x, received, (zt, fp, fn, zb), rm, r2, silu, then)
+            return y[:, :, :, :0] if rows_out[r][1] <= rows_out[r][0] else y
         ext = torch.empty((b, c, t, zt + fp + h + fn + zb, w), dtype=x.dtype, device=x.device,
                           memory_format=self.memory_format)
         em = ext.movedim(3, 0)
         em[:zt].zero_()
         if fp:
-            em[zt:zt + fp] = parts[r - 1][stats_len:].view(x.dtype).view(border.shape)[slot:slot + fp]
+            ext[:, :, :, zt:zt + fp] = received[0]
         em[zt + fp:zt + fp + h] = xm
         if fn:
-            em[zt + fp + h:zt + fp + h + fn] = parts[r + 1][stats_len:].view(x.dtype).view(border.shape)[:fn]
+            ext[:, :, :, zt + fp + h:zt + fp + h + fn] = received[1]
         if zb:
             em[-zb:].zero_()
         y = self._normalise(layer, ext, rm, r2, silu, then)
@@ -545,9 +569,44 @@ class Exec:
             ym[:zt].zero_()  # the conv's zero padding at the image border, after the norm
         if zb:
             ym[-zb:].zero_()
-        self._haloed = then
         if rows_out[r][1] <= rows_out[r][0]:
             return y[:, :, :, :0]
+        return y
+
+    def _normalise_rows(self, layer, x: torch.Tensor, received, halo, rm: torch.Tensor, r2: torch.Tensor, silu: bool,
+                        then) -> torch.Tensor:
+        """:meth:`_norm_haloed`'s result written piece by piece: the slab's own rows and the halo rows
+        received are each normalised straight into their rows of the output (written behind room for
+        ``then``'s past frames where :meth:`_front` says so), instead of first being joined into a copy
+        of the extended slab. Channels-last only: there the elementwise loop runs over the channels of
+        one pixel, so a pixel's arithmetic does not depend on which piece it is in (the same bits)."""
+        zt, fp, fn, zb = halo
+        b, c, t, h, w = x.shape
+        g = layer.num_groups
+        rows = zt + fp + h + fn + zb
+        scale, shift = self._scale_shift(layer, (b, c, t, rows, w), rm, r2)
+        scale, shift = scale.to(x.dtype), shift.to(x.dtype)
+        shape = (b, c, t, rows, w)
+        front = self._front(then, x)
+        with torch.no_grad():
+            if front:
+                full = torch.empty((b, c, t + front, rows, w), dtype=x.dtype, device=x.device,
+                                   memory_format=self.memory_format)
+                y = buf = full[:, :, front:]
+                self._fronted = (then, full, y)
+            else:
+                buf, y = padded_buffer(shape, x.dtype, x.device, self.memory_format)
+            for a, src in ((zt, received[0]), (zt + fp, x), (zt + fp + h, received[1])):
+                if src is not None and src.shape[3]:
+                    k = src.shape[3]
+                    torch.addcmul(shift, src.unflatten(1, (g, c // g)), scale,
+                                  out=y[:, :, :, a:a + k].unflatten(1, (g, c // g)))
+            if zt:
+                y[:, :, :, :zt].zero_()  # the conv's zero padding at the image border
+            if zb:
+                y[:, :, :, rows - zb:].zero_()
+            if silu:
+                F.silu(buf, inplace=True)
         return y
 
     # -- mid attention -----------------------------------------------------------
