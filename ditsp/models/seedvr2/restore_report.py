@@ -41,8 +41,8 @@ def format_report(s: dict) -> str:
         lines.append(f"{k:<11} {s['stage_s'][k]:>8.2f} {100 * s['stage_s'][k] / max(total, 1e-9):>5.0f}% "
                      f"{peak / 2**20:>20.1f}")
     if s.get("written_behind"):  # a video (an image is written at once)
-        lines.append("(the frames are encoded in a thread of their own, behind the next window: the write's time "
-                     "overlaps the stages after it)")
+        lines.append("(the frames are encoded in a thread of their own, behind the next window; the encoder's "
+                     "last frames at the end)")
     lines.append(f"bytes moved (all ranks): {s['bytes_moved'] / 2**20:.2f} MiB; frames sha256 {s['sha256'][:16]}")
     if s.get("seams"):
         m = s["seams"]
