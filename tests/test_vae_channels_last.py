@@ -288,3 +288,40 @@ def test_height_slab_norms_write_rows_and_halos_without_a_joined_copy(clusters, 
             (z, y, n), (z_copy, y_copy, n_copy) = rank["pieces"], rank["copy"]
             assert torch.equal(z, z_copy) and torch.equal(y, y_copy)
             assert n >= 50 and n_copy == 0, (n, n_copy)  # every ResnetBlock norm and the conv_outs' norms
+
+
+def _upsample_both_ways(pv, mode):
+    joins, cat = [], Exec._cat
+    Exec._cat = lambda self, parts, dim: joins.append(dim) or cat(self, parts, dim)
+    out = {}
+    try:
+        for name, in_place in (("one copy", True), ("three", False)):
+            Exec.upsamples_in_place = in_place
+            joins.clear()
+            with use(FAST), torch.no_grad():
+                z = pv.encode(_clip(9, 40, 24), mode="replicated").posterior.mean
+                out[name] = (pv.decode(z, mode=mode), len(joins))
+    finally:
+        Exec._cat, Exec.upsamples_in_place = cat, True
+    return out
+
+
+def time_split_upsamples(ctx):
+    torch.set_num_threads(1)
+    return _upsample_both_ways(ParallelVAE(_vae(), Comm(ctx.group)), "time")
+
+
+@pytest.mark.parametrize("mode", ["replicated", "chunked"])
+def test_upsamplers_write_depth_to_space_behind_the_convs_past_frames(mode):
+    """The decoder's upsamplers rearrange into the next conv's input in one copy (frame 0's duplicate left
+    out, room for the past frames left in front): the same bits, and the joins it replaces gone."""
+    out = _upsample_both_ways(ParallelVAE(_vae(), None, chunk=1), mode)
+    (y, n), (y_three, n_three) = out["one copy"], out["three"]
+    assert torch.equal(y, y_three)
+    assert n_three - n >= 3, (n_three, n)  # at least each upsampler's causal join once
+
+
+def test_upsamplers_in_place_on_a_time_split(clusters):
+    for rank in clusters(2).run(time_split_upsamples):
+        (y, n), (y_three, n_three) = rank["one copy"], rank["three"]
+        assert torch.equal(y, y_three) and n_three > n

@@ -232,6 +232,7 @@ class Exec:
 
     joins_past_with_halo = True  # a slab's causal conv builds past frames and halo rows in one buffer (_halo)
     normalises_rows_in_place = True  # a slab's norm writes its rows and halos straight to its output (_normalise_rows)
+    upsamples_in_place = True  # depth-to-space written behind the next conv's past frames (upsample)
 
     def __init__(self, comm: Comm | None = None, *, time_chain: bool = False, carry: dict | None = None,
                  image_fast_path: bool = True):
@@ -459,13 +460,17 @@ class Exec:
         on whole frames or on a height slab whose norm brings the conv's halo rows (:meth:`_fuses`; any
         other slab joins its halo rows after the frames, a copy anyway).
         """
-        if conv is None or conv.kernel[0] <= 1 or conv.stride[0] != 1 or not x.shape[2]:
+        if self.rows is not None and not self._fuses(conv):
+            return 0
+        return self._front_frames(conv, x.shape[2])
+
+    def _front_frames(self, conv, frames: int) -> int:
+        """:meth:`_front` for a whole-frame input of ``frames`` frames."""
+        if conv is None or conv.kernel[0] <= 1 or conv.stride[0] != 1 or not frames:
             return 0
         if self.memory_format != torch.channels_last_3d or torch.is_grad_enabled():
             return 0
-        if self.rows is not None and not self._fuses(conv):
-            return 0
-        if self.t_start == 0 and x.shape[2] == 1 and self.image_fast_path:
+        if self.t_start == 0 and frames == 1 and self.image_fast_path:
             return 0  # the conv sums its taps instead (an image): no past frames
         return conv.kernel[0] - 1
 
@@ -625,6 +630,40 @@ class Exec:
             return out
         a, b = self.rows[self.comm.rank]
         return out[:, a * width:max(a, b) * width]
+
+    def upsample(self, x: torch.Tensor, z: int, temporal: bool, conv) -> torch.Tensor:
+        """Depth-to-space of ``x`` (B, 4*z*C, T, H, W) for causal ``conv``, then :meth:`upsampled`.
+
+        On whole frames in the channels-last layout (inference) the rearranged frames are written in one
+        copy, frame 0's duplicate left out at the clip start, behind room for ``conv``'s past frames
+        (:meth:`_front`): before, the rearrangement, the dropped duplicate and the conv's causal join
+        were up to three copies of the upsampled activation. Same values: data movement only.
+        """
+        from .layers import depth_to_space  # layers imports this module
+
+        if not self.upsamples_in_place or self.rows is not None or not channels_last.is_channels_last(x) \
+                or torch.is_grad_enabled() or self.memory_format != torch.channels_last_3d or not x.numel():
+            return self.upsampled(depth_to_space(x, z), temporal)
+        b, ch, t, h, w = x.shape
+        c = ch // (4 * z)
+        drop = temporal and self.t_start == 0  # frame 0's duplicate
+        frames = t * z - drop
+        self.upsampled(x[:, :, :0], temporal)  # the piece's new start (and rows); no frames moved
+        front = self._front_frames(conv, frames)
+        full = torch.empty((b, c, front + frames, 2 * h, 2 * w), dtype=x.dtype, device=x.device,
+                           memory_format=self.memory_format)
+        y = full[:, :, front:]
+        src = x.permute(0, 2, 3, 4, 1).view(b, t, h, w, 2, 2, z, c).permute(0, 1, 6, 2, 4, 3, 5, 7)
+        dst = y.permute(0, 2, 3, 4, 1)  # (B, frames, 2H, 2W, C), frames outermost
+        if drop:
+            dst[:, 0].view(b, h, 2, w, 2, c).copy_(src[:, 0, 0])
+            if t > 1:
+                dst[:, 1:].view(b, t - 1, z, h, 2, w, 2, c).copy_(src[:, 1:])
+        else:
+            dst.view(b, t, z, h, 2, w, 2, c).copy_(src)
+        if front:
+            self._fronted = (conv, full, y)
+        return y
 
     def upsampled(self, x: torch.Tensor, temporal: bool) -> torch.Tensor:
         """After depth-to-space: drop the duplicate of the clip's frame 0; move to the new stage."""

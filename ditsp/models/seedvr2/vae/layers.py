@@ -241,9 +241,7 @@ class Upsample(nn.Module):
                        frame_rows=ex.H if ex.sharded_rows else None)
         else:  # an empty piece (a rank without frames or rows) still walks every layer
             x = x.new_zeros((x.shape[0], self.upscale_conv.out_channels) + tuple(x.shape[2:]))
-        x = depth_to_space(x, 2 if self.temporal else 1)
-        x = ex.upsampled(x, self.temporal)
-        return self.conv(x, ex)
+        return self.conv(ex.upsample(x, 2 if self.temporal else 1, self.temporal, self.conv), ex)
 
 
 class MidAttention(nn.Module):
