@@ -325,3 +325,32 @@ def test_upsamplers_in_place_on_a_time_split(clusters):
     for rank in clusters(2).run(time_split_upsamples):
         (y, n), (y_three, n_three) = rank["one copy"], rank["three"]
         assert torch.equal(y, y_three) and n_three > n
+
+
+def slab_upsamples(ctx, mode):
+    torch.set_num_threads(1)
+    pv = ParallelVAE(_vae(), Comm(ctx.group), chunk=1)
+    given, joined = [], Exec._halo_joined
+    Exec._halo_joined = lambda self, *a, **k: given.append(a[-1] is not None or k.get("ext") is not None) or \
+        joined(self, *a, **k)
+    out = {}
+    try:
+        for name, in_place in (("in place", True), ("copies", False)):
+            Exec.upsamples_in_place = in_place
+            given.clear()
+            with use(FAST), torch.no_grad():
+                z = pv.encode(_clip(9, 40, 24), mode="replicated").posterior.mean
+                out[name] = (pv.decode(z, mode=mode), sum(given))
+    finally:
+        Exec._halo_joined, Exec.upsamples_in_place = joined, True
+    return out
+
+
+@pytest.mark.parametrize("mode", ["height", "height+chunks"])
+def test_slab_upsamplers_write_into_their_convs_halo_buffer(clusters, mode):
+    """On a height slab the upsampler rearranges straight into the buffer its conv reads (room for the past
+    frames in front, for the halo rows above and below): same bits as rearranging, then joining."""
+    for rank in clusters(2).run(slab_upsamples, mode):
+        (y, n), (y_copies, n_copies) = rank["in place"], rank["copies"]
+        assert torch.equal(y, y_copies)
+        assert n >= 3 and n_copies == 0, (n, n_copies)  # each upsampler's conv, on every piece

@@ -246,6 +246,7 @@ class Exec:
         self.counts = {"conv": 0, "conv_2d_fast": 0}
         self._haloed = None  # the conv whose input rows the last norm already extended by its halos
         self._fronted = None  # (conv, its padded input, the norm's output inside it): see _front
+        self._slab_ext = None  # (conv, its halo-extended input, the upsampled slab inside it): see upsample
         self.memory_format = torch.contiguous_format  # the activations' layout, set by arrange()
 
     def arrange(self, x: torch.Tensor) -> torch.Tensor:
@@ -296,6 +297,7 @@ class Exec:
         pending = None
         joined_past = None  # past frames still to join (a slab's conv joins them with its halo rows)
         fronted, self._fronted = self._fronted, None
+        slab_ext, self._slab_ext = self._slab_ext, None
         if kt > 1:
             past = self._past(layer, x)
             # The last kt - 1 frames of this piece's padded stream, for the next chunk / rank.
@@ -334,7 +336,8 @@ class Exec:
             if self._haloed is layer:  # the norm before this conv gathered its halo rows already
                 rows_out, H_out, _ = conv_rows(layer, self.rows, self.H)
             else:
-                x, rows_out, H_out = self._halo(layer, x, joined_past)
+                ext = slab_ext[1] if slab_ext is not None and slab_ext[0] is layer and slab_ext[2] is x else None
+                x, rows_out, H_out = self._halo(layer, x, joined_past, ext)
         self._haloed = None
         if n_out <= 0 or x.shape[3] == 0:
             b = x.shape[0]
@@ -352,12 +355,13 @@ class Exec:
             self.rows, self.H = rows_out, H_out
         return y
 
-    def _halo(self, layer, x: torch.Tensor, past: torch.Tensor | None = None):
+    def _halo(self, layer, x: torch.Tensor, past: torch.Tensor | None = None, ext: torch.Tensor | None = None):
         """``x`` extended by the conv's halo rows (and zero rows at the image border): (x, rows, H) after it.
 
         ``past``: causal frames to put in front of ``x`` as well. Frames and rows then go into one
         buffer, ``x`` copied once (joined one after the other they were two copies of the activation);
-        the rows sent are those of the joined stream either way, so the bits are the same.
+        the rows sent are those of the joined stream either way, so the bits are the same. ``ext``: that
+        buffer, already holding ``x`` (an upsampler wrote it there, :meth:`upsample`).
         """
         rows_out, H_out, halos = conv_rows(layer, self.rows, self.H)
         r, n = self.comm.rank, self.comm.world_size
@@ -366,7 +370,7 @@ class Exec:
         to_next = halos[r + 1][1] if r + 1 < n else 0
         slot = max(max(h[1], h[2]) for h in halos)  # the same on every rank: one common row layout
         if past is not None:
-            return self._halo_joined(x, past, rows_out, H_out, (zt, fp, fn, zb), to_prev, to_next, slot)
+            return self._halo_joined(x, past, rows_out, H_out, (zt, fp, fn, zb), to_prev, to_next, slot, ext)
         top, bottom = exchange_rows(self.comm, x, 3, from_prev=fp, from_next=fn, to_prev=to_prev, to_next=to_next,
                                     kind="halo_rows", slot=slot)
         parts = []
@@ -386,8 +390,9 @@ class Exec:
         return x, rows_out, H_out
 
     def _halo_joined(self, x: torch.Tensor, past: torch.Tensor, rows_out, H_out, halo, to_prev: int, to_next: int,
-                     slot: int):
-        """:meth:`_halo` of ``past`` frames followed by ``x``, built in one buffer."""
+                     slot: int, ext: torch.Tensor | None = None):
+        """:meth:`_halo` of ``past`` frames followed by ``x``, built in one buffer (``ext``: given, with ``x``
+        in place)."""
         zt, fp, fn, zb = halo
         r = self.comm.rank
         b, c, t, h, w = x.shape
@@ -403,13 +408,16 @@ class Exec:
                                     to_next=to_next, kind="halo_rows", slot=slot)
         if rows_out[r][1] <= rows_out[r][0]:
             return x.new_empty((b, c, p + t, 0, w)), rows_out, H_out
-        ext = torch.empty((b, c, p + t, zt + fp + h + fn + zb, w), dtype=x.dtype, device=x.device,
-                          memory_format=self.memory_format)
+        shape = (b, c, p + t, zt + fp + h + fn + zb, w)
+        given = ext is not None and tuple(ext.shape) == shape
+        if not given:
+            ext = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=self.memory_format)
         ext[:, :, :, :zt].zero_()
         if top is not None:
             ext[:, :, :, zt:zt + fp] = top
         ext[:, :, :p, zt + fp:zt + fp + h] = past
-        ext[:, :, p:, zt + fp:zt + fp + h] = x
+        if not given:
+            ext[:, :, p:, zt + fp:zt + fp + h] = x
         if bottom is not None:
             ext[:, :, :, zt + fp + h:zt + fp + h + fn] = bottom
         ext[:, :, :, zt + fp + h + fn:].zero_()
@@ -641,8 +649,9 @@ class Exec:
         """
         from .layers import depth_to_space  # layers imports this module
 
-        if not self.upsamples_in_place or self.rows is not None or not channels_last.is_channels_last(x) \
-                or torch.is_grad_enabled() or self.memory_format != torch.channels_last_3d or not x.numel():
+        if not self.upsamples_in_place or not channels_last.is_channels_last(x) or torch.is_grad_enabled() \
+                or self.memory_format != torch.channels_last_3d or not x.numel() \
+                or (self.rows is not None and not self.joins_past_with_halo):
             return self.upsampled(depth_to_space(x, z), temporal)
         b, ch, t, h, w = x.shape
         c = ch // (4 * z)
@@ -650,9 +659,19 @@ class Exec:
         frames = t * z - drop
         self.upsampled(x[:, :, :0], temporal)  # the piece's new start (and rows); no frames moved
         front = self._front_frames(conv, frames)
-        full = torch.empty((b, c, front + frames, 2 * h, 2 * w), dtype=x.dtype, device=x.device,
-                           memory_format=self.memory_format)
-        y = full[:, :, front:]
+        if self.rows is not None and front and conv.kernel[1] > 1:
+            # a slab: the conv's halo rows go above and below, its past frames in front (see _halo_joined)
+            zt, fp, fn, zb = conv_rows(conv, self.rows, self.H)[2][self.comm.rank]
+            full = torch.empty((b, c, front + frames, zt + fp + 2 * h + fn + zb, 2 * w), dtype=x.dtype,
+                               device=x.device, memory_format=self.memory_format)
+            y = full[:, :, front:, zt + fp:zt + fp + 2 * h]
+            self._slab_ext, front = (conv, full, y), 0
+        else:
+            if self.rows is not None:
+                front = 0
+            full = torch.empty((b, c, front + frames, 2 * h, 2 * w), dtype=x.dtype, device=x.device,
+                               memory_format=self.memory_format)
+            y = full[:, :, front:]
         src = x.permute(0, 2, 3, 4, 1).view(b, t, h, w, 2, 2, z, c).permute(0, 1, 6, 2, 4, 3, 5, 7)
         dst = y.permute(0, 2, 3, 4, 1)  # (B, frames, 2H, 2W, C), frames outermost
         if drop:
