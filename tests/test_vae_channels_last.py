@@ -232,125 +232,77 @@ def test_direct_calls_reuse_one_channels_last_weight_until_winograd_takes_over(m
         assert conv.winograd.filters is not None and conv.winograd.last_weight is None
 
 
-def slab_halo_joins(ctx, mode):
-    """Height slabs whose causal convs take past frames and halo rows, joined in one buffer or one after
-    the other: the outputs and the number of whole-activation joins each way."""
-    torch.set_num_threads(1)
-    pv = ParallelVAE(_vae(), Comm(ctx.group), chunk=1)
-    joins, cat = [], Exec._cat
-    Exec._cat = lambda self, parts, dim: joins.append(dim) or cat(self, parts, dim)
+def _both_ways(pv, switch: str, counted: str, mode: str, encode_mode: str | None = None, counts=lambda a: True):
+    """Encode and decode with ``Exec.<switch>`` on, then off: {on: (latent, video, calls of ``Exec.<counted>``
+    whose positional arguments ``counts`` accepts)}."""
+    calls, real = [], getattr(Exec, counted)
+    setattr(Exec, counted, lambda self, *a, **k: calls.append(bool(counts(a))) or real(self, *a, **k))
     out = {}
     try:
-        for name, joined in (("one buffer", True), ("two joins", False)):
-            Exec.joins_past_with_halo = joined
-            joins.clear()
+        for on in (True, False):
+            setattr(Exec, switch, on)
+            calls.clear()
             with use(FAST), torch.no_grad():
-                z = pv.encode(_clip(9, 40, 24), mode=mode).posterior.mean
-                out[name] = (z, pv.decode(z, mode=mode), len(joins))
+                z = pv.encode(_clip(9, 40, 24), mode=encode_mode or mode).posterior.mean
+                out[on] = (z, pv.decode(z, mode=mode), sum(calls))
     finally:
-        Exec._cat, Exec.joins_past_with_halo = cat, True
+        setattr(Exec, counted, real)
+        setattr(Exec, switch, True)
     return out
+
+
+def on_ranks(ctx, switch, counted, mode, encode_mode=None, counts=None):
+    torch.set_num_threads(1)
+    pv = ParallelVAE(_vae(), Comm(ctx.group), chunk=1)
+    return _both_ways(pv, switch, counted, mode, encode_mode, counts or (lambda a: True))
 
 
 @pytest.mark.parametrize("mode", ["height", "height+chunks"])
 def test_height_slabs_join_past_frames_and_halo_rows_in_one_buffer(clusters, mode):
     """Convs no norm feeds (the first conv of each side, the upsamplers' convs) took two copies of the
     activation (frames, then rows); now one, with the same bits."""
-    for rank in clusters(2).run(slab_halo_joins, mode):
-        (z, y, n_one), (z_two, y_two, n_two) = rank["one buffer"], rank["two joins"]
+    for rank in clusters(2).run(on_ranks, "joins_past_with_halo", "_cat", mode):
+        (z, y, n_one), (z_two, y_two, n_two) = rank[True], rank[False]
         assert torch.equal(z, z_two) and torch.equal(y, y_two)
         assert n_two - n_one >= 10, (n_two, n_one)  # encoder and decoder conv_in, and the upsamplers' convs
 
 
-def slab_norm_pieces(ctx, mode):
-    """Height slabs whose norms normalise their rows and received halo rows straight into the output, or
-    join them into an extended copy first: the outputs and the bytes allocated each way."""
-    torch.set_num_threads(1)
-    pv = ParallelVAE(_vae(), Comm(ctx.group), chunk=1)
-    out, calls, rows = {}, [], Exec._normalise_rows
-    Exec._normalise_rows = lambda self, *a, **k: calls.append(1) or rows(self, *a, **k)
-    try:
-        for name, pieces in (("pieces", True), ("copy", False)):
-            Exec.normalises_rows_in_place = pieces
-            calls.clear()
-            with use(FAST), torch.no_grad():
-                z = pv.encode(_clip(9, 40, 24), mode=mode).posterior.mean
-                out[name] = (z, pv.decode(z, mode=mode), len(calls))
-    finally:
-        Exec.normalises_rows_in_place, Exec._normalise_rows = True, rows
-    return out
-
-
 @pytest.mark.parametrize("mode", ["height", "height+chunks"])
 def test_height_slab_norms_write_rows_and_halos_without_a_joined_copy(clusters, mode):
+    """Norms that bring their conv's halo rows normalise the slab's and the received rows straight into
+    the output, instead of joining them into an extended copy first: the same bits."""
     for world in (2, 3):
-        for rank in clusters(world).run(slab_norm_pieces, mode):
-            (z, y, n), (z_copy, y_copy, n_copy) = rank["pieces"], rank["copy"]
+        for rank in clusters(world).run(on_ranks, "normalises_rows_in_place", "_normalise_rows", mode):
+            (z, y, n), (z_copy, y_copy, n_copy) = rank[True], rank[False]
             assert torch.equal(z, z_copy) and torch.equal(y, y_copy)
             assert n >= 50 and n_copy == 0, (n, n_copy)  # every ResnetBlock norm and the conv_outs' norms
-
-
-def _upsample_both_ways(pv, mode):
-    joins, cat = [], Exec._cat
-    Exec._cat = lambda self, parts, dim: joins.append(dim) or cat(self, parts, dim)
-    out = {}
-    try:
-        for name, in_place in (("one copy", True), ("three", False)):
-            Exec.upsamples_in_place = in_place
-            joins.clear()
-            with use(FAST), torch.no_grad():
-                z = pv.encode(_clip(9, 40, 24), mode="replicated").posterior.mean
-                out[name] = (pv.decode(z, mode=mode), len(joins))
-    finally:
-        Exec._cat, Exec.upsamples_in_place = cat, True
-    return out
-
-
-def time_split_upsamples(ctx):
-    torch.set_num_threads(1)
-    return _upsample_both_ways(ParallelVAE(_vae(), Comm(ctx.group)), "time")
 
 
 @pytest.mark.parametrize("mode", ["replicated", "chunked"])
 def test_upsamplers_write_depth_to_space_behind_the_convs_past_frames(mode):
     """The decoder's upsamplers rearrange into the next conv's input in one copy (frame 0's duplicate left
     out, room for the past frames left in front): the same bits, and the joins it replaces gone."""
-    out = _upsample_both_ways(ParallelVAE(_vae(), None, chunk=1), mode)
-    (y, n), (y_three, n_three) = out["one copy"], out["three"]
+    out = _both_ways(ParallelVAE(_vae(), None, chunk=1), "upsamples_in_place", "_cat", mode, "replicated")
+    (_, y, n), (_, y_three, n_three) = out[True], out[False]
     assert torch.equal(y, y_three)
     assert n_three - n >= 3, (n_three, n)  # at least each upsampler's causal join once
 
 
 def test_upsamplers_in_place_on_a_time_split(clusters):
-    for rank in clusters(2).run(time_split_upsamples):
-        (y, n), (y_three, n_three) = rank["one copy"], rank["three"]
+    for rank in clusters(2).run(on_ranks, "upsamples_in_place", "_cat", "time", "replicated"):
+        (_, y, n), (_, y_three, n_three) = rank[True], rank[False]
         assert torch.equal(y, y_three) and n_three > n
 
 
-def slab_upsamples(ctx, mode):
-    torch.set_num_threads(1)
-    pv = ParallelVAE(_vae(), Comm(ctx.group), chunk=1)
-    given, joined = [], Exec._halo_joined
-    Exec._halo_joined = lambda self, *a, **k: given.append(a[-1] is not None or k.get("ext") is not None) or \
-        joined(self, *a, **k)
-    out = {}
-    try:
-        for name, in_place in (("in place", True), ("copies", False)):
-            Exec.upsamples_in_place = in_place
-            given.clear()
-            with use(FAST), torch.no_grad():
-                z = pv.encode(_clip(9, 40, 24), mode="replicated").posterior.mean
-                out[name] = (pv.decode(z, mode=mode), sum(given))
-    finally:
-        Exec._halo_joined, Exec.upsamples_in_place = joined, True
-    return out
+def _given_a_buffer(args) -> bool:
+    return args[-1] is not None  # _halo_joined's ext: the upsampler wrote the slab into it
 
 
 @pytest.mark.parametrize("mode", ["height", "height+chunks"])
 def test_slab_upsamplers_write_into_their_convs_halo_buffer(clusters, mode):
     """On a height slab the upsampler rearranges straight into the buffer its conv reads (room for the past
     frames in front, for the halo rows above and below): same bits as rearranging, then joining."""
-    for rank in clusters(2).run(slab_upsamples, mode):
-        (y, n), (y_copies, n_copies) = rank["in place"], rank["copies"]
+    for rank in clusters(2).run(on_ranks, "upsamples_in_place", "_halo_joined", mode, "replicated", _given_a_buffer):
+        (_, y, n), (_, y_copies, n_copies) = rank[True], rank[False]
         assert torch.equal(y, y_copies)
         assert n >= 3 and n_copies == 0, (n, n_copies)  # each upsampler's conv, on every piece
