@@ -38,6 +38,7 @@ from ....distributed.halo import exchange_rows, post_to_next, recv_from_prev
 from ....row_blocks import rows_per_block
 from ..compiled import fused_norm
 from . import channels_last
+from .layers import depth_to_space, depth_to_space_source
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -466,7 +467,7 @@ class Exec:
         a copy of the whole activation. Written behind that room instead, the conv fills in just those
         frames (:meth:`conv`). For the channels-last layout (frames outermost per clip), inference only,
         on whole frames or on a height slab whose norm brings the conv's halo rows (:meth:`_fuses`; any
-        other slab joins its halo rows after the frames, a copy anyway).
+        other slab's conv builds its past frames and halo rows in one buffer, :meth:`_halo`).
         """
         if self.rows is not None and not self._fuses(conv):
             return 0
@@ -647,8 +648,6 @@ class Exec:
         (:meth:`_front`): before, the rearrangement, the dropped duplicate and the conv's causal join
         were up to three copies of the upsampled activation. Same values: data movement only.
         """
-        from .layers import depth_to_space  # layers imports this module
-
         if not self.upsamples_in_place or not channels_last.is_channels_last(x) or torch.is_grad_enabled() \
                 or self.memory_format != torch.channels_last_3d or not x.numel() \
                 or (self.rows is not None and not self.joins_past_with_halo):
@@ -672,7 +671,7 @@ class Exec:
             full = torch.empty((b, c, front + frames, 2 * h, 2 * w), dtype=x.dtype, device=x.device,
                                memory_format=self.memory_format)
             y = full[:, :, front:]
-        src = x.permute(0, 2, 3, 4, 1).view(b, t, h, w, 2, 2, z, c).permute(0, 1, 6, 2, 4, 3, 5, 7)
+        src = depth_to_space_source(x, z)  # (B, T, z, H, 2, W, 2, C)
         dst = y.permute(0, 2, 3, 4, 1)  # (B, frames, 2H, 2W, C), frames outermost
         if drop:
             dst[:, 0].view(b, h, 2, w, 2, c).copy_(src[:, 0, 0])

@@ -216,13 +216,20 @@ class Downsample(nn.Module):
         return self.conv(x, ex)
 
 
+def depth_to_space_source(x: torch.Tensor, z: int) -> torch.Tensor:
+    """A channels-last ``x`` (B, 4*z*C, T, H, W) viewed as the (B, T, z, H, 2, W, 2, C) its depth-to-space
+    lays out, frames outermost (no copy): what a copy into a channels-last output's frames reads."""
+    b, ch, t, h, w = x.shape
+    c = ch // (4 * z)
+    return x.permute(0, 2, 3, 4, 1).view(b, t, h, w, 2, 2, z, c).permute(0, 1, 6, 2, 4, 3, 5, 7)
+
+
 def depth_to_space(x: torch.Tensor, z: int) -> torch.Tensor:
     """(B, 4*z*C, T, H, W) -> (B, C, T*z, 2H, 2W); input channel ((i*2 + j)*z + tau)*C + c."""
     b, ch, t, h, w = x.shape
     c = ch // (4 * z)
     if is_channels_last(x):  # stays so (.channels_last)
-        x = x.permute(0, 2, 3, 4, 1).view(b, t, h, w, 2, 2, z, c).permute(0, 1, 6, 2, 4, 3, 5, 7)
-        return x.reshape(b, t * z, 2 * h, 2 * w, c).permute(0, 4, 1, 2, 3)
+        return depth_to_space_source(x, z).reshape(b, t * z, 2 * h, 2 * w, c).permute(0, 4, 1, 2, 3)
     x = x.view(b, 2, 2, z, c, t, h, w).permute(0, 4, 5, 3, 6, 1, 7, 2)
     return x.reshape(b, c, t * z, 2 * h, 2 * w)
 
