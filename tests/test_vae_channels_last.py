@@ -267,6 +267,7 @@ def test_height_slabs_join_past_frames_and_halo_rows_in_one_buffer(clusters, mod
         assert n_two - n_one >= 10, (n_two, n_one)  # encoder and decoder conv_in, and the upsamplers' convs
 
 
+@pytest.mark.bitwise  # the same bits rest on the elementwise loop's shape: checked under another kernel set too
 @pytest.mark.parametrize("mode", ["height", "height+chunks"])
 def test_height_slab_norms_write_rows_and_halos_without_a_joined_copy(clusters, mode):
     """Norms that bring their conv's halo rows normalise the slab's and the received rows straight into

@@ -187,8 +187,8 @@ def frame_stats(row_mean: torch.Tensor, row_m2: torch.Tensor, per_row: int) -> t
 _LANES = 64  # a multiple of twice the widest SIMD vector of any CPU kernel (AVX-512 bf16: 2 x 32)
 
 
-def padded_like(x: torch.Tensor, memory_format=torch.contiguous_format) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat buffer, view shaped like x, laid out in ``memory_format``) where the buffer's length makes
+def padded_buffer(shape, dtype, device, memory_format=torch.contiguous_format) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat buffer, view of ``shape``, laid out in ``memory_format``) where the buffer's length makes
     every SiLU element SIMD.
 
     PyTorch's CPU elementwise kernels run SIMD code over whole vectors and scalar code over the
@@ -197,11 +197,6 @@ def padded_like(x: torch.Tensor, memory_format=torch.contiguous_format) -> tuple
     Padding the buffer so each thread's share (``ceil(n / threads)``, the split PyTorch's
     ``parallel_for`` makes) is a multiple of ``_LANES`` puts every element on the SIMD path.
     """
-    return padded_buffer(x.shape, x.dtype, x.device, memory_format)
-
-
-def padded_buffer(shape, dtype, device, memory_format=torch.contiguous_format) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`padded_like` of a tensor of ``shape``, ``dtype`` and ``device``."""
     n = math.prod(shape)
     threads = max(1, torch.get_num_threads())
     grain = 32768  # at::internal::GRAIN_SIZE
@@ -434,7 +429,7 @@ class Exec:
 
     def norm(self, layer, x: torch.Tensor, silu: bool = False, then=None) -> torch.Tensor:
         """GroupNorm with per-frame statistics (per-row moments, gathered over slabs, merged in row
-        order), optionally followed by SiLU (applied tail-free, :func:`padded_like`).
+        order), optionally followed by SiLU (applied tail-free, :func:`padded_buffer`).
 
         ``then``: the conv that consumes the result. On a height slab its halo rows then travel in
         the statistics' all-gather as raw (un-normalised) rows, and this piece normalises them
@@ -513,15 +508,8 @@ class Exec:
                           shift.expand(b, g, cg, t, 1, 1).to(x.dtype), silu)
             # the compiled kernel picks its own output strides: back to the piece's layout
             return y.reshape(x.shape).contiguous(memory_format=self.memory_format)
-        front = self._front(then, x)
         with torch.no_grad():  # inference only; out= refuses tensors that track gradients
-            if front:  # behind room for the conv's past frames; the SiLU over y alone
-                full = torch.empty((b, c, t + front, h, w), dtype=x.dtype, device=x.device,
-                                   memory_format=self.memory_format)
-                y = buf = full[:, :, front:]
-                self._fronted = (then, full, y)
-            else:
-                buf, y = padded_like(x, self.memory_format)
+            buf, y = self._norm_output(then, x, x.shape)
             torch.addcmul(shift.to(x.dtype), x.view(b, g, cg, t, h, w), scale.to(x.dtype),
                           out=y.view(b, g, cg, t, h, w))
             if silu:
@@ -587,6 +575,19 @@ class Exec:
             return y[:, :, :, :0]
         return y
 
+    def _norm_output(self, then, x: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """(buffer the SiLU runs over, output view of ``shape``) for a norm of ``x`` feeding conv ``then``:
+        behind room for the conv's past frames where :meth:`_front` says so (the SiLU over the output
+        alone), else :func:`padded_buffer` (every SiLU element SIMD)."""
+        front = self._front(then, x)
+        if not front:
+            return padded_buffer(shape, x.dtype, x.device, self.memory_format)
+        b, c, t, rows, w = shape
+        full = torch.empty((b, c, t + front, rows, w), dtype=x.dtype, device=x.device, memory_format=self.memory_format)
+        y = full[:, :, front:]
+        self._fronted = (then, full, y)
+        return y, y
+
     def _normalise_rows(self, layer, x: torch.Tensor, received, halo, rm: torch.Tensor, r2: torch.Tensor, silu: bool,
                         then) -> torch.Tensor:
         """:meth:`_norm_haloed`'s result written piece by piece: the slab's own rows and the halo rows
@@ -601,15 +602,8 @@ class Exec:
         scale, shift = self._scale_shift(layer, (b, c, t, rows, w), rm, r2)
         scale, shift = scale.to(x.dtype), shift.to(x.dtype)
         shape = (b, c, t, rows, w)
-        front = self._front(then, x)
         with torch.no_grad():
-            if front:
-                full = torch.empty((b, c, t + front, rows, w), dtype=x.dtype, device=x.device,
-                                   memory_format=self.memory_format)
-                y = buf = full[:, :, front:]
-                self._fronted = (then, full, y)
-            else:
-                buf, y = padded_buffer(shape, x.dtype, x.device, self.memory_format)
+            buf, y = self._norm_output(then, x, shape)
             for a, src in ((zt, received[0]), (zt + fp, x), (zt + fp + h, received[1])):
                 if src is not None and src.shape[3]:
                     k = src.shape[3]
