@@ -652,19 +652,20 @@ class Exec:
         frames = t * z - drop
         self.upsampled(x[:, :, :0], temporal)  # the piece's new start (and rows); no frames moved
         front = self._front_frames(conv, frames)
-        if self.rows is not None and front and conv.kernel[1] > 1:
-            # a slab: the conv's halo rows go above and below, its past frames in front (see _halo_joined)
-            zt, fp, fn, zb = conv_rows(conv, self.rows, self.H)[2][self.comm.rank]
-            full = torch.empty((b, c, front + frames, zt + fp + 2 * h + fn + zb, 2 * w), dtype=x.dtype,
-                               device=x.device, memory_format=self.memory_format)
-            y = full[:, :, front:, zt + fp:zt + fp + 2 * h]
-            self._slab_ext, front = (conv, full, y), 0
-        else:
-            if self.rows is not None:
+        top = bottom = 0  # rows left free above and below (a slab's halo)
+        if self.rows is not None:
+            if front and conv.kernel[1] > 1:  # the conv's halo rows and past frames go around it (_halo_joined)
+                zt, fp, fn, zb = conv_rows(conv, self.rows, self.H)[2][self.comm.rank]
+                top, bottom = zt + fp, fn + zb
+            else:
                 front = 0
-            full = torch.empty((b, c, front + frames, 2 * h, 2 * w), dtype=x.dtype, device=x.device,
-                               memory_format=self.memory_format)
-            y = full[:, :, front:]
+        full = torch.empty((b, c, front + frames, top + 2 * h + bottom, 2 * w), dtype=x.dtype, device=x.device,
+                           memory_format=self.memory_format)
+        y = full[:, :, front:, top:top + 2 * h]
+        if self.rows is not None and front:
+            self._slab_ext = (conv, full, y)
+        elif front:
+            self._fronted = (conv, full, y)
         src = depth_to_space_source(x, z)  # (B, T, z, H, 2, W, 2, C)
         dst = y.permute(0, 2, 3, 4, 1)  # (B, frames, 2H, 2W, C), frames outermost
         if drop:
@@ -673,8 +674,6 @@ class Exec:
                 dst[:, 1:].view(b, t - 1, z, h, 2, w, 2, c).copy_(src[:, 1:])
         else:
             dst.view(b, t, z, h, 2, w, 2, c).copy_(src)
-        if front:
-            self._fronted = (conv, full, y)
         return y
 
     def upsampled(self, x: torch.Tensor, temporal: bool) -> torch.Tensor:
