@@ -307,3 +307,32 @@ def test_slab_upsamplers_write_into_their_convs_halo_buffer(clusters, mode):
         (_, y, n), (_, y_copies, n_copies) = rank[True], rank[False]
         assert torch.equal(y, y_copies)
         assert n >= 3 and n_copies == 0, (n, n_copies)  # each upsampler's conv, on every piece
+
+
+def test_row_pattern_repeats_the_scale_along_a_row_channel_innermost():
+    from ditsp.models.seedvr2.vae.execution import _row_pattern
+    v = torch.randn(1, 4, 3, 5, 1, 1)  # (B, G, Cg, T, 1, 1)
+    p = _row_pattern(v, 7)
+    assert p.shape == (1, 4, 3, 5, 1, 7) and torch.equal(p, v.expand(1, 4, 3, 5, 1, 7))
+    assert p.stride()[2] == 1 and p.stride()[1] == 3 and p.stride()[5] == 12  # channels, then pixels of a row
+
+
+@pytest.mark.bitwise  # the same bits rest on the elementwise loop's shape: checked under another kernel set too
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_scales_repeated_along_rows_give_the_same_bits(clusters, dtype, monkeypatch):
+    """A norm's scale and shift laid out channel-innermost along a row (one vectorised loop per row, not one
+    per pixel's channels): the same latent and video, on one device and on height slabs."""
+    from ditsp.models.seedvr2.vae import execution
+    patterns, real = [], execution._row_pattern
+    monkeypatch.setattr(execution, "_row_pattern", lambda v, w: patterns.append(w) or real(v, w))
+    out = _both_ways(ParallelVAE(_vae(dtype), None, chunk=1), "scales_channels_inner", "_scale_shift", "chunked")
+    assert len(patterns) >= 2 * 50  # scale and shift of every norm call, with the switch on
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+    assert out[True][2] >= 50
+    for rank in clusters(2).run(on_ranks_typed, "scales_channels_inner", "_scale_shift", "height", dtype):
+        assert torch.equal(rank[True][0], rank[False][0]) and torch.equal(rank[True][1], rank[False][1])
+
+
+def on_ranks_typed(ctx, switch, counted, mode, dtype):
+    torch.set_num_threads(1)
+    return _both_ways(ParallelVAE(_vae(dtype), Comm(ctx.group), chunk=1), switch, counted, mode)

@@ -171,6 +171,18 @@ def _blocked_row_sums(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return first, second
 
 
+def _row_pattern(v: torch.Tensor, width: int) -> torch.Tensor:
+    """A norm's (B, G, Cg, T, 1, 1) scale or shift repeated over a row's ``width`` pixels, laid out as a
+    channels-last row is (frame, pixel, channel): against a channels-last activation every operand of
+    the elementwise loop then runs with stride 1 along a whole row (pixels x channels, vectorised),
+    where a per-channel pattern left the loop one pixel's few channels long, at the scale's stride T.
+    Each element is the same product and sum either way (the same bits, tested)."""
+    b, g, cg, t = v.shape[:4]
+    out = torch.empty((b, t, 1, width, g, cg), dtype=v.dtype, device=v.device)
+    out.copy_(v.permute(0, 3, 4, 5, 1, 2))
+    return out.permute(0, 4, 5, 1, 2, 3)
+
+
 def frame_stats(row_mean: torch.Tensor, row_m2: torch.Tensor, per_row: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and biased variance per (batch, group, frame) from the per-row moments of the WHOLE frame.
 
@@ -229,6 +241,7 @@ class Exec:
     joins_past_with_halo = True  # a slab's causal conv builds past frames and halo rows in one buffer (_halo)
     normalises_rows_in_place = True  # a slab's norm writes its rows and halos straight to its output (_normalise_rows)
     upsamples_in_place = True  # depth-to-space written behind the next conv's past frames (upsample)
+    scales_channels_inner = True  # a norm's per-channel scale and shift laid out channel-innermost (_scale_shift)
 
     def __init__(self, comm: Comm | None = None, *, time_chain: bool = False, carry: dict | None = None,
                  image_fast_path: bool = True):
@@ -478,9 +491,9 @@ class Exec:
             return 0  # the conv sums its taps instead (an image): no past frames
         return conv.kernel[0] - 1
 
-    @staticmethod
-    def _scale_shift(layer, shape, rm: torch.Tensor, r2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The norm's float32 (B, G, 1, T, 1, 1) scale and shift per (group, channel, frame): y = x * scale + shift."""
+    def _scale_shift(self, layer, shape, rm: torch.Tensor, r2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norm's float32 scale and shift per (group, channel, frame): y = x * scale + shift; (B, G, Cg, T, 1, 1),
+        or repeated along a row, (B, G, Cg, T, 1, W), for the channels-last loop (:func:`_row_pattern`)."""
         b, c, t, h, w = shape
         g = layer.num_groups
         cg = c // g
@@ -491,7 +504,10 @@ class Exec:
         gamma = layer.weight.float().view(1, g, cg, 1, 1, 1)
         beta = layer.bias.float().view(1, g, cg, 1, 1, 1)
         scale = rstd * gamma
-        return scale, beta - mean * scale
+        shift = beta - mean * scale
+        if self.scales_channels_inner and self.memory_format == torch.channels_last_3d and fused_norm(layer) is None:
+            scale, shift = (_row_pattern(v, w) for v in (scale, shift))
+        return scale, shift
 
     def _normalise(self, layer, x: torch.Tensor, rm: torch.Tensor, r2: torch.Tensor, silu: bool,
                    then=None) -> torch.Tensor:
