@@ -10,6 +10,12 @@ each rank's whole-process CPU seconds. Runs of the SP degrees
 alternate, ``--repeats`` rounds with the order rotated; the table shows each figure's minimum over
 the rounds. Every degree must write the same frames under ``--deterministic`` (checked; the default
 fast policy is compared by PSNR). Results: ``benchmarks/results/job.md`` and ``job.json``.
+
+The machine's own ceiling, side by side: each round also runs N one-device jobs at once (N the largest
+degree), each a separate process with no communication at all. Their wall, per job and over N, against
+one job alone is the best an SP=N run can reach on this machine (cores that share caches, memory
+bandwidth and a hypervisor slow each other down with no help from the code), so the table says how
+much of the gap to 1/N is the machine's and how much the parallel path's.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -38,23 +43,50 @@ PHASE_LABELS = {"start": "start: launch to every rank running (imports, spawn, g
 _CLI = "from ditsp.cli import run; run()"  # as the `ditsp` program does (its allocator restart included)
 
 
-def _children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
 def _upscale(argv: list[str], timeout_s: float) -> tuple[dict, float, float]:
     """One ``ditsp upscale ... --json`` in a fresh process: (report, wall s, CPU s of it and its ranks)."""
-    cpu0, t0, launched = _children_cpu(), time.perf_counter(), time.time()
-    done = subprocess.run([sys.executable, "-c", _CLI, "upscale", *argv, "--json"], capture_output=True,
-                          text=True, timeout=timeout_s)
-    wall, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()
-        raise RuntimeError(f"ditsp upscale {' '.join(argv)} failed: {tail[-1] if tail else done.returncode}")
-    report = json.loads(done.stdout[done.stdout.index("{"):])
-    report["launched_at"] = launched
-    return report, wall, cpu
+    return _upscale_at_once([argv], timeout_s)[0]
+
+
+def _upscale_at_once(argvs: list[list[str]], timeout_s: float) -> list[tuple[dict, float, float]]:
+    """``ditsp upscale ... --json`` for each of ``argvs``, all started together, each in a fresh process:
+    per process (report, wall s to its own exit, CPU s of it and its ranks). A process past ``timeout_s``
+    is killed with the rest and raises; one that fails raises with its last line."""
+    with tempfile.TemporaryDirectory(prefix="ditsp-bench-run-") as logs:
+        procs, t0, launched = [], time.perf_counter(), time.time()
+        try:
+            for i, argv in enumerate(argvs):
+                with open(os.path.join(logs, f"{i}.out"), "w") as out, open(os.path.join(logs, f"{i}.err"), "w") as err:
+                    procs.append(subprocess.Popen([sys.executable, "-c", _CLI, "upscale", *argv, "--json"],
+                                                  stdout=out, stderr=err, text=True))
+            ended: dict[int, tuple[int, float, float]] = {}
+            while len(ended) < len(procs):
+                for i, proc in enumerate(procs):
+                    if i in ended:
+                        continue
+                    pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                    if pid:
+                        proc.returncode = os.waitstatus_to_exitcode(status)
+                        ended[i] = (proc.returncode, time.perf_counter() - t0, usage.ru_utime + usage.ru_stime)
+                if time.perf_counter() - t0 > timeout_s:
+                    raise TimeoutError(f"ditsp upscale ran past --timeout {timeout_s:g} s")
+                time.sleep(0.01)
+        finally:
+            for proc in procs:
+                if proc.returncode is None:
+                    proc.kill()
+                    proc.wait()
+        results = []
+        for i, argv in enumerate(argvs):
+            code, wall, cpu = ended[i]
+            stdout = Path(logs, f"{i}.out").read_text()
+            if code != 0:
+                tail = (Path(logs, f"{i}.err").read_text() or stdout).strip().splitlines()
+                raise RuntimeError(f"ditsp upscale {' '.join(argv)} failed: {tail[-1] if tail else code}")
+            report = json.loads(stdout[stdout.index("{"):])
+            report["launched_at"] = launched
+            results.append((report, wall, cpu))
+        return results
 
 
 def _figures(report: dict, wall: float, cpu: float) -> dict:
@@ -108,6 +140,41 @@ def format_table(sps: list[int], best: dict[int, dict]) -> list[str]:
     return lines
 
 
+CEILING_ROWS = (("vae_encode s (rank 0 wall)", lambda b: b["stage_s"]["vae_encode"]),
+                ("vae_decode s (rank 0 wall)", lambda b: b["stage_s"]["vae_decode"]),
+                ("stages, sum s", lambda b: sum(b["stage_s"].values())),
+                ("stages, CPU s of the slowest rank", lambda b: sum(b["stage_cpu_max_rank_s"].values())),
+                ("wall s", lambda b: b["wall_s"]))
+
+
+def format_ceiling(n: int, alone: dict, at_once: dict, measured: dict) -> list[str]:
+    """The machine's ceiling for SP=``n`` beside what SP=``n`` reached: ``at_once`` is each figure of ``n``
+    one-device jobs run together (the slowest job's), ``alone`` one such job by itself."""
+    lines = [f"| | SP=1 alone | {n} x SP=1 at once (slowest) | ceiling: at once / {n} / alone | "
+             f"SP={n} / SP=1 | ceiling / measured |", "| --- |" + " ---: |" * 5]
+    for label, get in CEILING_ROWS:
+        a, both, sp = get(alone), get(at_once), get(measured)
+        if a <= 0:
+            continue
+        ceiling, ratio = both / n / a, sp / a
+        lines.append(f"| {label} | {a:.2f} | {both:.2f} | {ceiling:.2f} | {ratio:.2f} | "
+                     f"{ceiling / ratio if ratio > 0 else 0:.2f} |")
+    return lines
+
+
+def _slowest(jobs: list[dict]) -> dict:
+    """One figure set from jobs run at once: each figure the slowest job's."""
+    return {"wall_s": max(j["wall_s"] for j in jobs),
+            "stage_s": {k: max(j["stage_s"][k] for j in jobs) for k in STAGES},
+            "stage_cpu_max_rank_s": {k: max(j["stage_cpu_max_rank_s"][k] for j in jobs) for k in STAGES}}
+
+
+def _min_rounds(rounds: list[dict]) -> dict:
+    return {"wall_s": min(r["wall_s"] for r in rounds),
+            "stage_s": {k: min(r["stage_s"][k] for r in rounds) for k in STAGES},
+            "stage_cpu_max_rank_s": {k: min(r["stage_cpu_max_rank_s"][k] for r in rounds) for k in STAGES}}
+
+
 def _arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--sp", type=positive_int_list, default=[1, 2], help="SP degrees, side by side (first: baseline)")
     p.add_argument("--frames", type=positive_int, default=33)
@@ -119,6 +186,8 @@ def _arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--threads", type=positive_int, default=1, help="threads per rank")
     p.add_argument("--repeats", type=positive_int, default=1, help="rounds over the SP degrees, order rotated")
+    p.add_argument("--no-ceiling", dest="ceiling", action="store_false",
+                   help="skip the N one-device jobs at once that measure the machine's ceiling for SP=N")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--out", default="benchmarks/results")
     return p
@@ -140,6 +209,8 @@ def main(args=None, parser=None) -> int:
             (parser or argparse.ArgumentParser()).error(f"--weights {weights}: no {name} there")
     sps = list(dict.fromkeys(args.sp))
     runs: dict[int, list[dict]] = {s: [] for s in sps}
+    n_ceiling = max(sps) if args.ceiling and sps[0] == 1 and max(sps) > 1 else 0
+    at_once: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="ditsp-bench-job-") as tmp:
         clip, clean = os.path.join(tmp, "input.mp4"), os.path.join(tmp, "clean")
         heldout.main([clip, clean, "--size", args.size, "--frames", str(args.frames), "--overwrite"])
@@ -154,6 +225,12 @@ def main(args=None, parser=None) -> int:
                 runs[sp].append(_figures(report, wall, cpu))
                 print(f"SP={sp} round {r + 1}: wall {wall:.1f} s, CPU {cpu:.1f} s (all processes), "
                       f"stages {sum(report['stage_s'].values()):.1f} s", flush=True)
+            if n_ceiling:
+                jobs = _upscale_at_once([[*common, "-o", os.path.join(tmp, f"out-alone{i}.mp4"), "--sp", "1"]
+                                         for i in range(n_ceiling)], args.timeout)
+                at_once.append(_slowest([_figures(*job) for job in jobs]))
+                print(f"{n_ceiling} x SP=1 at once, round {r + 1}: wall {at_once[-1]['wall_s']:.1f} s (slowest)",
+                      flush=True)
     best = {s: _best(runs[s]) for s in sps}
     digests = {d for b in best.values() for d in b["sha256"]}
     same = len(digests) == 1
@@ -171,11 +248,19 @@ def main(args=None, parser=None) -> int:
             f"frames {'identical at every degree' if same else 'differ between degrees (fast policy)'} "
             f"(sha256 {', '.join(sorted(d[:16] for d in digests))})", ""]
     table = format_table(sps, best)
+    if at_once:
+        table += ["", f"The machine's ceiling for SP={n_ceiling}: {n_ceiling} one-device jobs of the same clip at once, "
+                  "separate processes with no communication (min over the rounds of the slowest job). "
+                  f"The ceiling is what a perfect SP={n_ceiling} would reach here; ceiling / measured is the "
+                  "parallel path's efficiency against it (1.00: all of the gap to "
+                  f"1/{n_ceiling} is the machine's). Start-up counts as divisible in the wall row, so that "
+                  "ceiling is optimistic by it.", "",
+                  *format_ceiling(n_ceiling, best[1], _min_rounds(at_once), best[n_ceiling])]
     print("\n".join(head + table))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "job.md").write_text("\n".join(["# The whole job at each SP degree (`ditsp bench job`)", "", *head, *table]) + "\n")
-    (out / "job.json").write_text(json.dumps({"args": vars(args) | {"func": None}, "runs": runs, "best": best},
-                                             indent=1, default=str) + "\n")
+    (out / "job.json").write_text(json.dumps({"args": vars(args) | {"func": None}, "runs": runs, "best": best,
+                                              "at_once": at_once}, indent=1, default=str) + "\n")
     print(f"wrote {out / 'job.md'} and job.json")
     return 0
