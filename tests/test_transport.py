@@ -409,3 +409,23 @@ def test_random_exchanges_deliver_every_row(clusters, seed):
             assert "below one row per peer" in res[1]
             continue
         assert res[:2] == (True, True)
+
+
+def rank_gather_rows(ctx):
+    """all_gather_rows with uneven shares (padded), even shares (sent as they are) and a strided input."""
+    comm = Comm(ctx.group)
+    n, r = ctx.world_size, ctx.rank
+    uneven = [2, 0, 3][:n]
+    mine = torch.arange(uneven[r] * 4, dtype=torch.float32).view(-1, 4) + 100 * r
+    even = (torch.arange(12, dtype=torch.float32).view(4, 3) + 100 * r).t()  # (3, 4), not contiguous
+    return comm.all_gather_rows(mine, uneven), comm.all_gather_rows(even, [3] * n), even
+
+
+def test_all_gather_rows_even_uneven_and_strided(clusters):
+    for world in (2, 3):
+        results = clusters(world).run(rank_gather_rows)
+        for uneven, even, _ in results:
+            for p, part in enumerate(uneven):
+                assert torch.equal(part, torch.arange(part.shape[0] * 4, dtype=torch.float32).view(-1, 4) + 100 * p)
+            for p, part in enumerate(even):
+                assert torch.equal(part, results[p][2])

@@ -157,10 +157,12 @@ class Comm:
             raise ValueError(f"rank {self.rank} holds {t.shape[0]} rows, expected {rows[self.rank]}")
         if self.world_size == 1:
             return [t]
-        # Pad to the largest share so a plain all_gather serves uneven shares.
+        # Pad to the largest share so a plain all_gather serves uneven shares (even shares go as they are).
         width = max(rows)
-        padded = t.new_zeros((width,) + tuple(t.shape[1:]))
-        padded[: t.shape[0]] = t
+        padded = t.contiguous()
+        if t.shape[0] < width:
+            padded = t.new_zeros((width,) + tuple(t.shape[1:]))
+            padded[: t.shape[0]] = t
         outs = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(outs, padded, group=self.group)
         others = sum(rows) - rows[self.rank]
