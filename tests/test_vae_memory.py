@@ -141,3 +141,19 @@ def test_winograd_filters_counted_only_where_they_are_built(monkeypatch):
     budget = (plain.total + with_filters.total) // 2  # fits without the filters only
     fits = suggestions("seedvr2-3b", "fp32", 17, (256, 256), 1, "chunked", budget, 17, winograd_filters=True)
     assert any(f.startswith(f"{winograd.ENV}=0") for f in fits)
+
+
+def test_the_backend_says_whether_convs_reorder_through_a_buffer(monkeypatch):
+    """Channels-last CPU runs (the fast policy) write the conv outputs in place, as CUDA is modelled; only the
+    contiguous layout on CPU (the deterministic policy) reorders each output through a buffer of its size."""
+    from ditsp.models.seedvr2.vae import channels_last
+    from ditsp.models.seedvr2.vae.memory import backend_of
+
+    shape = (5, 64, 64)
+    e = {b: estimate(TINY, "decode", shape, 1, "chunked", backend=b) for b in ("cuda", "cpu", "cpu-contiguous")}
+    assert e["cuda"].total == e["cpu"].total < e["cpu-contiguous"].total
+    with pytest.raises(ValueError, match="backend must be one of"):
+        estimate(TINY, "decode", shape, 1, "chunked", backend="gpu")
+    assert (backend_of("cpu", False), backend_of("cpu", True), backend_of("cuda", False)) == ("cpu", "cpu-contiguous", "cuda")
+    monkeypatch.setattr(channels_last, "ENABLED", False)
+    assert backend_of("cpu", False) == "cpu-contiguous"

@@ -17,10 +17,11 @@ import torch
 
 from ..distributed.comm import Comm
 from ..distributed.launcher import LocalCluster
+from ..fixed_shape import current
 from ..memory import PeakMemory
 from ..models.seedvr2.vae import RELEASED
 from ..models.seedvr2.vae.fixtures import seeded_vae
-from ..models.seedvr2.vae.memory import estimate
+from ..models.seedvr2.vae.memory import backend_of, estimate
 from ..models.seedvr2.vae.sharded import ParallelVAE
 from . import declare
 
@@ -114,7 +115,8 @@ def main(args=None, parser=None) -> int:
             ref = r0
         errs = {op: ((r0[op][2] - ref[op][2]).abs().max() / ref[op][2].abs().max()).item() for op in ("encode", "decode")}
         for op in ("encode", "decode"):
-            model = estimate(_cfg(widths), op, (T, H, W), n, mode, torch.float32, chunk or 1, gather=True, backend="cpu")
+            model = estimate(_cfg(widths), op, (T, H, W), n, mode, torch.float32, chunk or 1, gather=True,
+                             backend=backend_of("cpu", current().deterministic))
             model_bytes = model.total - model.weights  # the weights are resident before the measured region
             peak = max(r[op][1] for r in res)
             cpu = max(r[op][3] for r in res)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import winograd
+from . import channels_last, winograd
 from .config import VaeConfig
 from .layouts import TimeLayout, even_split
 from .modes import AUTO_ORDER, BY_NAME, FALLBACK
@@ -31,6 +31,7 @@ from .model import VideoVAE
 from ...meta import meta_device
 
 GiB = 1024 ** 3
+BACKENDS = ("cuda", "cpu", "cpu-contiguous")  # what runs the convs, and in which layout (estimate)
 
 
 @dataclass
@@ -66,7 +67,7 @@ class MemoryEstimate:
         return (f"{self.mode:14s} total {g(self.total):>6s} GiB = weights {g(self.weights)} + activations "
                 f"{g(self.activation_peak)} (largest tensor {g(self.largest_activation)}, halos {g(self.halo)}) + "
                 f"carried {g(self.carried_state)} + clip {g(self.io)}"
-                + (f" + cached conv filters {g(self.filters)}" if self.filters else "") + "; piece {self.piece.frames} frames x "
+                + (f" + cached conv filters {g(self.filters)}" if self.filters else "") + f"; piece {self.piece.frames} frames x "
                 f"{self.piece.rows} rows, peak at {self.peak_op}")
 
 
@@ -236,23 +237,27 @@ def estimate(cfg: VaeConfig, op: str, shape, world: int, mode: str, dtype=torch.
              winograd_filters: bool = False) -> MemoryEstimate:
     """Modelled peak bytes of one rank running ``op`` ("encode"/"decode") of a (T, H, W) pixel clip.
 
-    ``backend="cpu"`` adds the output-sized reorder buffer of the oneDNN convs (layers.conv3d)
-    per output position); CUDA convolutions are modelled without workspace. ``winograd_filters``
+    ``backend`` (:data:`BACKENDS`): ``"cpu-contiguous"`` adds the output-sized buffer oneDNN reorders each
+    conv's result through when the activations are in the contiguous layout (a CPU run under the
+    deterministic policy, :mod:`.channels_last`); ``"cpu"`` (channels-last, the fast policy: oneDNN writes
+    the layout directly) and ``"cuda"`` model no conv workspace. ``winograd_filters``
     (:func:`counts_winograd`): add the filters the Winograd convs of this piece will cache.
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     b = torch.empty((), dtype=dtype).element_size()
     T, H, W = shape
     t, h, w = cfg.latent_shape(T, H, W)
     pc = piece_of(cfg, op, shape, world, mode, chunk, tile, overlap)
     carry = mode in ("chunked", "height+chunks", "tiled") and pc.pieces > 1
-    wk = _Walk(b, False, pc.halo, carry, backend == "cpu", dtype if winograd_filters else None)
+    wk = _Walk(b, False, pc.halo, carry, backend == "cpu-contiguous", dtype if winograd_filters else None)
     walk = {"encode": _walk_encoder, "decode": _walk_decoder}
     walk[op](cfg, wk, (pc.frames, pc.rows, pc.cols), h)
     filters = wk.filters
     if winograd_filters:  # the cache lives with the VAE: a restoration's decode still holds the encoder's filters
         other = "decode" if op == "encode" else "encode"
         po = piece_of(cfg, other, shape, world, mode, chunk, tile, overlap)
-        wo = _Walk(b, False, po.halo, False, backend == "cpu", dtype)
+        wo = _Walk(b, False, po.halo, False, backend == "cpu-contiguous", dtype)
         walk[other](cfg, wo, (po.frames, po.rows, po.cols), h)
         filters += wo.filters
     lat = 2 * cfg.latent_channels * t * h * w * b
@@ -266,6 +271,13 @@ def estimate(cfg: VaeConfig, op: str, shape, world: int, mode: str, dtype=torch.
             "replicated", "chunked", "tiled") else 0) + (vid if mode == "tiled" else 0)
     return MemoryEstimate(mode, num_params(cfg) * b, wk.peak, wk.largest, wk.halo_bytes, wk.state, int(io), pc,
                           wk.peak_op, filters)
+
+
+def backend_of(device: torch.device | str, deterministic: bool) -> str:
+    """The :func:`estimate` backend of a VAE run on ``device`` under this kernel policy (its activations' layout)."""
+    if torch.device(device).type != "cpu":
+        return "cuda"
+    return "cpu-contiguous" if deterministic or not channels_last.ENABLED else "cpu"
 
 
 def counts_winograd(device: torch.device | str, deterministic: bool) -> bool:
@@ -282,7 +294,7 @@ class Choice:
 
 def choose_mode(cfg: VaeConfig, shape, world: int, budget: int | None, dtype=torch.bfloat16, chunk: int = 1,
                 tile: int = 32, overlap: int = 8, ops: tuple[str, ...] = ("encode", "decode"),
-                winograd_filters: bool = False) -> Choice:
+                winograd_filters: bool = False, backend: str = "cuda") -> Choice:
     """What ``auto`` means, the one rule (:mod:`.modes`): the first exact mode of ``AUTO_ORDER`` whose modelled
     per-rank peak over ``ops`` fits ``budget``; tiled (APPROXIMATE) only if none does; else MemoryError.
 
@@ -292,7 +304,7 @@ def choose_mode(cfg: VaeConfig, shape, world: int, budget: int | None, dtype=tor
     cands = [m for m in AUTO_ORDER if t >= BY_NAME[m].min_latent_frames and (world > 1 or not BY_NAME[m].splits)]
 
     def peak(m: str) -> int:
-        return max(estimate(cfg, op, shape, world, m, dtype, chunk, tile, overlap,
+        return max(estimate(cfg, op, shape, world, m, dtype, chunk, tile, overlap, backend=backend,
                             winograd_filters=winograd_filters).total for op in ops)
 
     est = {}

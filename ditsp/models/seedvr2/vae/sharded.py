@@ -42,7 +42,7 @@ from .layouts import SlabLayout, TimeLayout, even_split  # noqa: F401 - re-expor
 from .model import Posterior, VideoVAE, check_video, decoder_pieces, encoder_pieces
 
 from .modes import AUTO, EXACT_MODES, MODES, SLAB_MODES  # noqa: F401 - EXACT_MODES re-exported
-from .memory import choose_mode, counts_winograd
+from .memory import backend_of, choose_mode, counts_winograd
 from .tiled import tiled_decode
 from .tiled import tiled_encode
 
@@ -87,9 +87,10 @@ class ParallelVAE:
     def choose(self, shape: tuple[int, int, int]):
         """What ``auto`` picks for a clip of pixel shape (T, H, W) on this group (no collective; see :mod:`.modes`)."""
 
-        filters = counts_winograd(next(self.vae.parameters()).device, current().deterministic)
+        device, deterministic = next(self.vae.parameters()).device, current().deterministic
         return choose_mode(self.cfg, shape, self.comm.world_size, self.budget, self.vae.dtype, self.chunk,
-                           tile=self.tile, overlap=self.overlap, winograd_filters=filters)
+                           tile=self.tile, overlap=self.overlap, winograd_filters=counts_winograd(device, deterministic),
+                           backend=backend_of(device, deterministic))
 
     def resolve(self, op: str, shape: tuple[int, int, int], mode: str) -> tuple[str, str]:
         """(mode, report) for ``op`` ("encode"/"decode") of a clip with pixel shape (T, H, W)."""
