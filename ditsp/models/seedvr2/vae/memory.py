@@ -31,7 +31,7 @@ from .model import VideoVAE
 from ...meta import meta_device
 
 GiB = 1024 ** 3
-BACKENDS = ("cuda", "cpu", "cpu-contiguous")  # what runs the convs, and in which layout (estimate)
+BACKENDS = ("cuda", "cpu", "cpu-deterministic")  # what runs the convs, and how (estimate)
 
 
 @dataclass
@@ -72,10 +72,10 @@ class MemoryEstimate:
 
 
 class _Walk:
-    def __init__(self, bytes_per: int, gn_upcast: bool, halo: bool, carry: bool, cpu_workspace: bool = False,
+    def __init__(self, bytes_per: int, gn_upcast: bool, halo: bool, carry: bool, fixed_shape_cpu: bool = False,
                  winograd_dtype: torch.dtype | None = None):
         self.b, self.gn_upcast, self.halo, self.carry = bytes_per, gn_upcast, halo, carry
-        self.cpu_workspace, self.winograd_dtype = cpu_workspace, winograd_dtype
+        self.fixed_shape_cpu, self.winograd_dtype = fixed_shape_cpu, winograd_dtype
         self.peak, self.peak_op, self.largest, self.halo_bytes, self.state = 0, "", 0, 0, 0
         self.filters = 0
 
@@ -106,11 +106,12 @@ class _Walk:
             self.filters += winograd.filter_bytes(cin, cout)  # each conv is walked once
         elif self.winograd_dtype is not None:  # a direct conv on channels-last input keeps a copy of its weight
             self.filters += cin * cout * kt * 9 * self.b  # (3x3 spatial taps; ResnetBlock shortcuts overcounted)
-        # On CPU the convs run through oneDNN (layers.conv3d), which writes its output in its blocked
-        # channel layout and reorders it back: one extra output-sized buffer while the conv runs
-        # (fitted against measured peaks in `ditsp bench vae`).
-        ws = out if self.cpu_workspace else 0
-        self.note(held + tin + padded + out + ws, op, tin, padded, out)
+        # Under the deterministic policy on CPU (layers.conv3d's fixed-shape calls) the input is padded by
+        # its rows into a copy first, and oneDNN writes each call's output in its blocked channel layout and
+        # reorders it back: one extra output-sized buffer (both measured at the peak of a decode).
+        pad_copy = self.size(cin, t + kt - 1 if kt > 1 else t, h + 2, w) if self.fixed_shape_cpu else 0
+        ws = out if self.fixed_shape_cpu else 0
+        self.note(held + tin + padded + pad_copy + out + ws, op, tin, padded, out)
         return (t2, h // ss, w // ss)
 
     def norm(self, held, c, shape, op):
@@ -237,10 +238,10 @@ def estimate(cfg: VaeConfig, op: str, shape, world: int, mode: str, dtype=torch.
              winograd_filters: bool = False) -> MemoryEstimate:
     """Modelled peak bytes of one rank running ``op`` ("encode"/"decode") of a (T, H, W) pixel clip.
 
-    ``backend`` (:data:`BACKENDS`): ``"cpu-contiguous"`` adds the output-sized buffer oneDNN reorders each
-    conv's result through when the activations are in the contiguous layout (a CPU run under the
-    deterministic policy, :mod:`.channels_last`); ``"cpu"`` (channels-last, the fast policy: oneDNN writes
-    the layout directly) and ``"cuda"`` model no conv workspace. ``winograd_filters``
+    ``backend`` (:data:`BACKENDS`): ``"cpu-deterministic"`` (a CPU run under the deterministic policy, in the
+    contiguous layout, :mod:`.channels_last`) adds, at each conv, the row-padded copy its fixed-shape calls
+    read and the output-sized buffer oneDNN reorders their results through; ``"cpu"`` (channels-last, the
+    fast policy: oneDNN reads and writes the layout directly) and ``"cuda"`` model neither. ``winograd_filters``
     (:func:`counts_winograd`): add the filters the Winograd convs of this piece will cache.
     """
     if backend not in BACKENDS:
@@ -250,14 +251,14 @@ def estimate(cfg: VaeConfig, op: str, shape, world: int, mode: str, dtype=torch.
     t, h, w = cfg.latent_shape(T, H, W)
     pc = piece_of(cfg, op, shape, world, mode, chunk, tile, overlap)
     carry = mode in ("chunked", "height+chunks", "tiled") and pc.pieces > 1
-    wk = _Walk(b, False, pc.halo, carry, backend == "cpu-contiguous", dtype if winograd_filters else None)
+    wk = _Walk(b, False, pc.halo, carry, backend == "cpu-deterministic", dtype if winograd_filters else None)
     walk = {"encode": _walk_encoder, "decode": _walk_decoder}
     walk[op](cfg, wk, (pc.frames, pc.rows, pc.cols), h)
     filters = wk.filters
     if winograd_filters:  # the cache lives with the VAE: a restoration's decode still holds the encoder's filters
         other = "decode" if op == "encode" else "encode"
         po = piece_of(cfg, other, shape, world, mode, chunk, tile, overlap)
-        wo = _Walk(b, False, po.halo, False, backend == "cpu-contiguous", dtype)
+        wo = _Walk(b, False, po.halo, False, backend == "cpu-deterministic", dtype)
         walk[other](cfg, wo, (po.frames, po.rows, po.cols), h)
         filters += wo.filters
     lat = 2 * cfg.latent_channels * t * h * w * b
@@ -277,7 +278,7 @@ def backend_of(device: torch.device | str, deterministic: bool) -> str:
     """The :func:`estimate` backend of a VAE run on ``device`` under this kernel policy (its activations' layout)."""
     if torch.device(device).type != "cpu":
         return "cuda"
-    return "cpu-contiguous" if deterministic or not channels_last.ENABLED else "cpu"
+    return "cpu-deterministic" if deterministic or not channels_last.ENABLED else "cpu"
 
 
 def counts_winograd(device: torch.device | str, deterministic: bool) -> bool:
