@@ -55,12 +55,13 @@ class Estimate:
 
 def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: int, vae_mode: str = "auto",
              budget: int | None = None, vae_chunk: int = 1, weights: WeightBytes | None = None,
-             winograd_filters: bool = False) -> Estimate:
+             winograd_filters: bool = False, vae_backend: str = "cuda") -> Estimate:
     """Modelled peak bytes per rank for one window of ``frames`` frames at output size ``out_hw``.
 
     ``weights``: the DiT's weights as kept (:func:`.weight_memory.dit_weights`: stored format and
     dequantization buffer); default: every parameter in ``dtype``. ``winograd_filters``: count the
-    VAE's cached Winograd filters (:func:`.vae.memory.counts_winograd`: a CPU run, fast policy)."""
+    VAE's cached Winograd filters (:func:`.vae.memory.counts_winograd`: a CPU run, fast policy).
+    ``vae_backend``: what runs the VAE's convs, and how (:func:`.vae.memory.backend_of`)."""
 
     cfg = get_config(model)
     vcfg = VAE_PRESETS[MODELS[model]]
@@ -78,10 +79,12 @@ def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: i
     mode = vae_mode
     if mode == AUTO:  # what the restoration's VAE will pick (the one meaning of auto); tiled if nothing fits
         try:
-            mode = choose_mode(vcfg, shape, sp, budget, vdtype, vae_chunk, winograd_filters=winograd_filters).mode
+            mode = choose_mode(vcfg, shape, sp, budget, vdtype, vae_chunk, winograd_filters=winograd_filters,
+                               backend=vae_backend).mode
         except MemoryError:
             mode = "tiled"
-    v = max((vae_estimate(vcfg, op, shape, sp, mode, vdtype, vae_chunk, winograd_filters=winograd_filters)
+    v = max((vae_estimate(vcfg, op, shape, sp, mode, vdtype, vae_chunk, winograd_filters=winograd_filters,
+                          backend=vae_backend)
              for op in ("encode", "decode")), key=lambda m: m.total)
     if weights is None:
         return Estimate(cfg.param_count() * e, int(dit_act), int(latents), int(v.total), mode, vae_filters=v.filters)
@@ -90,10 +93,11 @@ def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: i
 
 
 def suggestions(model: str, dtype: str, frames: int, out_hw, sp: int, vae_mode: str, budget: int,
-                window_frames: int, weights: WeightBytes | None = None, winograd_filters: bool = False) -> list[str]:
+                window_frames: int, weights: WeightBytes | None = None, winograd_filters: bool = False,
+                vae_backend: str = "cuda") -> list[str]:
     """What would fit ``budget`` per rank: more ranks, another VAE mode, shorter windows, smaller weights,
     no Winograd filters."""
-    fit = functools.partial(estimate, winograd_filters=winograd_filters)
+    fit = functools.partial(estimate, winograd_filters=winograd_filters, vae_backend=vae_backend)
     out = []
     for more in (2 * sp, 4 * sp, 8 * sp):
         e = fit(model, dtype, frames, out_hw, more, vae_mode, budget, weights=weights)
@@ -120,7 +124,7 @@ def suggestions(model: str, dtype: str, frames: int, out_hw, sp: int, vae_mode: 
             out.append(f"--dtype bf16 ({e.total / GiB:.1f} GiB per rank)")
     out += _smaller_weights(model, dtype, frames, out_hw, sp, vae_mode, budget, weights, fit)
     if winograd_filters:
-        e = estimate(model, dtype, frames, out_hw, sp, vae_mode, budget, weights=weights)
+        e = estimate(model, dtype, frames, out_hw, sp, vae_mode, budget, weights=weights, vae_backend=vae_backend)
         if e.total <= budget:
             out.append(f"{WINOGRAD_ENV}=0 ({e.total / GiB:.1f} GiB per rank, a slower VAE)")
     return out

@@ -34,7 +34,7 @@ from .presets import default_dtype
 from .sizing import parse_resolution
 from ...weights import FormatError
 from .budget import GiB, available_bytes, estimate, suggestions
-from .vae.memory import counts_winograd
+from .vae.memory import backend_of, counts_winograd
 from ...memory import check_local_ranks
 from .weight_memory import dit_weights
 
@@ -296,13 +296,15 @@ def check_memory(c: Checked, o: Options) -> str:
         kept = dit_weights(w.model, w.dtype, checkpoint=w.dit, weights_dtype=w.weights_dtype)
     except FormatError as e:
         raise ValueError(f"--dit {e}") from None
-    filters = counts_winograd("cuda" if torch.cuda.is_available() else "cpu", req.deterministic)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    filters, backend = counts_winograd(device, req.deterministic), backend_of(device, req.deterministic)
     est = estimate(w.model, w.dtype, window, geo.out_hw, req.sp, req.vae_mode,
-                   budget if req.vae_mode == AUTO else None, req.vae_chunk, weights=kept, winograd_filters=filters)
+                   budget if req.vae_mode == AUTO else None, req.vae_chunk, weights=kept, winograd_filters=filters,
+                   vae_backend=backend)
     line = f"memory estimate: {est.describe()}; budget {budget / GiB:.2f} GiB per rank"
     if est.total > budget and not o.force:
         fits = suggestions(w.model, w.dtype, window, geo.out_hw, req.sp, req.vae_mode, budget, window, weights=kept,
-                           winograd_filters=filters)
+                           winograd_filters=filters, vae_backend=backend)
         hint = ("; would fit: " + ", ".join(fits)) if fits else "; nothing smaller fits (try a smaller --resolution)"
         raise MemoryError(f"{line}: does not fit{hint} (or pass --force)")
     return line
