@@ -162,6 +162,6 @@ def test_the_backend_says_whether_convs_reorder_through_a_buffer(monkeypatch):
 def test_the_pre_flight_estimate_counts_the_deterministic_cpu_convs_copies():
     from ditsp.models.seedvr2.budget import estimate as job_estimate
 
-    args = ("3b", "bf16", 17, (256, 256), 2, "height")
+    args = ("seedvr2-3b", "bf16", 17, (256, 256), 2, "height")
     plain, fixed_shape = job_estimate(*args), job_estimate(*args, vae_backend="cpu-deterministic")
     assert fixed_shape.vae > plain.vae and fixed_shape.total - plain.total == fixed_shape.vae - plain.vae
