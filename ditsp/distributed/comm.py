@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from . import shm_gather
 from .heartbeat import beat
 
 
@@ -141,8 +142,7 @@ class Comm:
         if self.world_size == 1:
             return t
         flat = t.contiguous()
-        outs = [torch.empty_like(flat) for _ in range(self.world_size)]
-        dist.all_gather(outs, flat, group=self.group)
+        outs = self._all_gather(flat)
         nbytes = flat.numel() * flat.element_size()
         self.stats.add(kind, nbytes * (self.world_size - 1), nbytes * (self.world_size - 1))
         total = outs[0].clone()
@@ -163,11 +163,20 @@ class Comm:
         if t.shape[0] < width:
             padded = t.new_zeros((width,) + tuple(t.shape[1:]))
             padded[: t.shape[0]] = t
-        outs = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(outs, padded, group=self.group)
+        outs = self._all_gather(padded)
         others = sum(rows) - rows[self.rank]
         self.stats.add(kind, _nbytes_rows(t, rows[self.rank] * (self.world_size - 1)), _nbytes_rows(t, others))
         return [o[:n] for o, n in zip(outs, rows)]
+
+    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's contiguous ``t`` (same shape everywhere): through shared memory where the group's ranks
+        share this machine's CPU (:mod:`.shm_gather`), else the backend's all-gather."""
+        shm = shm_gather.for_group(self.group) if t.device.type == "cpu" else None
+        if shm is not None and shm.fits(t.numel() * t.element_size()):
+            return shm.all_gather(t)
+        outs = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(outs, t, group=self.group)
+        return outs
 
     def reduce_scatter_rows(self, full: torch.Tensor, rows: Sequence[int], kind: str = "reduce_scatter") -> torch.Tensor:
         """Sum over ranks of ``full[my rows]``: every rank holds a full partial (``sum(rows)`` rows) and gets
@@ -257,8 +266,7 @@ class Comm:
         t = torch.tensor([int(v) for v in values], dtype=torch.int64)
         if self.group is not None and dist.get_backend(self.group) == "nccl":
             t = t.cuda()
-        outs = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(outs, t, group=self.group)
+        outs = self._all_gather(t)
         nbytes = t.numel() * t.element_size()
         self.stats.add(kind, nbytes * (self.world_size - 1), nbytes * (self.world_size - 1))
         return [o.tolist() for o in outs]

@@ -1,0 +1,112 @@
+"""ditsp.distributed.shm_gather: the same tensors as gloo's all-gather, slots that grow, payloads too big for it
+left to gloo, ranks that disagree all falling back, a peer that never comes is an error, nothing left in /dev/shm."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ditsp.distributed import shm_gather
+from ditsp.distributed.comm import Comm
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _payloads(rank: int):
+    g = torch.Generator().manual_seed(rank)
+    return [torch.randn(3, 5, generator=g), torch.randint(0, 255, (7,), generator=g, dtype=torch.uint8),
+            torch.randn(4, 6, generator=g).bfloat16().t(), torch.empty(0, 3), torch.randn(2, 3, 4, generator=g).double()]
+
+
+def rank_equal_to_gloo(ctx):
+    group = dist.new_group(list(range(ctx.world_size)))  # this test's own group: its own segment
+    comm = Comm(group)
+    assert shm_gather.for_group(group) is not None
+    out = []
+    for t in _payloads(ctx.rank):
+        mine = comm._all_gather(t.contiguous())
+        theirs = [torch.empty_like(t.contiguous()) for _ in range(ctx.world_size)]
+        dist.all_gather(theirs, t.contiguous(), group=group)
+        out.append(all(torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape for a, b in zip(mine, theirs)))
+    uneven = [2, 0, 3][:ctx.world_size]
+    rows = comm.all_gather_rows(torch.full((uneven[ctx.rank], 2), float(ctx.rank)), uneven)
+    out.append(all(torch.equal(r, torch.full((uneven[p], 2), float(p))) for p, r in enumerate(rows)))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_same_tensors_as_gloo(clusters, world):
+    for rank in clusters(world).run(rank_equal_to_gloo):
+        assert all(rank), rank
+
+
+def rank_grows_then_falls_back(ctx, monkeypatch_max):
+    group = dist.new_group(list(range(ctx.world_size)))
+    gather = shm_gather.for_group(group)
+    first = gather.slot
+    big = torch.full(((first // 4) + 10,), float(ctx.rank))  # a float32 payload just over the first slot
+    got = gather.all_gather(big)
+    grown = gather.slot
+    small = gather.all_gather(torch.tensor([ctx.rank]))
+    shm_gather.MAX_SLOT_BYTES, saved = monkeypatch_max, shm_gather.MAX_SLOT_BYTES
+    try:
+        comm = Comm(group)
+        over = comm._all_gather(torch.full((monkeypatch_max // 4 + 1,), float(ctx.rank)))  # over the cap: by gloo
+    finally:
+        shm_gather.MAX_SLOT_BYTES = saved
+    return (first, grown, gather.slot, [float(g[0]) for g in got], [int(s) for s in small],
+            [float(o[-1]) for o in over])
+
+
+def test_a_slot_grows_for_a_bigger_payload_and_gloo_takes_what_is_over_the_cap(clusters):
+    for first, grown, after, got, small, over in clusters(2).run(rank_grows_then_falls_back, 1 << 16):
+        assert grown >= 2 * first and after == grown  # the cap's fallback left the segment alone
+        assert got == [0.0, 1.0] and small == [0, 1] and over == [0.0, 1.0]
+
+
+def rank_disagrees(ctx):
+    os.environ[shm_gather.ENV] = "0" if ctx.rank == 1 else "1"
+    try:
+        group = dist.new_group(list(range(ctx.world_size)))
+        gather = shm_gather.for_group(group)
+        outs = Comm(group).all_gather_rows(torch.full((1,), float(ctx.rank)), [1] * ctx.world_size)
+    finally:
+        del os.environ[shm_gather.ENV]
+    return gather is None, [float(o) for o in outs]
+
+
+def test_one_rank_switched_off_sends_every_rank_to_gloo(clusters):
+    for off, got in clusters(2).run(rank_disagrees):
+        assert off and got == [0.0, 1.0]
+
+
+def rank_one_stays_away(ctx):
+    group = dist.new_group(list(range(ctx.world_size)))
+    gather = shm_gather.for_group(group)
+    name_left = any(f.startswith("ditsp-gather-") for f in os.listdir(shm_gather.SHM_DIR))
+    if ctx.rank == 1:
+        return name_left, None
+    gather.timeout_s = 0.5
+    try:
+        gather.all_gather(torch.zeros(4))
+    except TimeoutError as e:
+        return name_left, str(e)
+    return name_left, "no error"
+
+
+def test_a_peer_that_never_comes_is_an_error_naming_it_and_no_segment_is_left(clusters):
+    (left0, err), (left1, _) = clusters(2).run(rank_one_stays_away)
+    assert not left0 and not left1
+    assert "rank 0" in err and "for rank 1 to write its rows" in err
+
+
+def test_the_setting_is_checked():
+    os.environ[shm_gather.ENV] = "yes"
+    try:
+        with pytest.raises(ValueError, match="DITSP_SHM_COLLECTIVES='yes'"):
+            shm_gather.enabled()
+    finally:
+        del os.environ[shm_gather.ENV]
