@@ -98,7 +98,7 @@ def wait_job(c: httpx.Client, job_id: str, timeout: float = 90.0) -> dict:
 def clips(tmp_path_factory):
     d = tmp_path_factory.mktemp("inputs")
     short = str(make_test_clip(str(d / "short.mp4"), width=48, height=32, frames=5, fps=12, audio=False))
-    long = str(make_test_clip(str(d / "long.mp4"), width=48, height=32, frames=13, fps=12, audio=False))
+    long = str(make_test_clip(str(d / "long.mp4"), width=48, height=32, frames=41, fps=12, audio=False))
     ref = tmp_path_factory.mktemp("ref")
     return {"dir": str(d), "short": short, "long": long,
             "short_sha": reference_sha(short, ref, OPTS), "long_sha": reference_sha(long, ref, OPTS)}

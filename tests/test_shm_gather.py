@@ -4,6 +4,9 @@ left to gloo, ranks that disagree all falling back, a peer that never comes is a
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -22,9 +25,13 @@ def _payloads(rank: int):
 
 
 def rank_equal_to_gloo(ctx):
-    group = dist.new_group(list(range(ctx.world_size)))  # this test's own group: its own segment
+    group = dist.new_group(list(range(ctx.world_size)))
     comm = Comm(group)
-    assert shm_gather.for_group(group) is not None
+    for _ in range(shm_gather.AFTER_CALLS):  # a Comm's first all-gathers go through gloo
+        comm.all_gather_ints([ctx.rank])
+    assert getattr(comm, "_shm", None) is None
+    comm.all_gather_ints([ctx.rank])  # the next one sets the segment up
+    assert isinstance(comm._shm, shm_gather.ShmGather)
     out = []
     for t in _payloads(ctx.rank):
         mine = comm._all_gather(t.contiguous())
@@ -45,7 +52,10 @@ def test_the_same_tensors_as_gloo(clusters, world):
 
 def rank_grows_then_falls_back(ctx, monkeypatch_max):
     group = dist.new_group(list(range(ctx.world_size)))
-    gather = shm_gather.for_group(group)
+    comm = Comm(group)
+    for _ in range(shm_gather.AFTER_CALLS + 1):
+        comm.all_gather_ints([ctx.rank])
+    gather = comm._shm
     first = gather.slot
     big = torch.full(((first // 4) + 10,), float(ctx.rank))  # a float32 payload just over the first slot
     got = gather.all_gather(big)
@@ -53,7 +63,6 @@ def rank_grows_then_falls_back(ctx, monkeypatch_max):
     small = gather.all_gather(torch.tensor([ctx.rank]))
     shm_gather.MAX_SLOT_BYTES, saved = monkeypatch_max, shm_gather.MAX_SLOT_BYTES
     try:
-        comm = Comm(group)
         over = comm._all_gather(torch.full((monkeypatch_max // 4 + 1,), float(ctx.rank)))  # over the cap: by gloo
     finally:
         shm_gather.MAX_SLOT_BYTES = saved
@@ -71,11 +80,13 @@ def rank_disagrees(ctx):
     os.environ[shm_gather.ENV] = "0" if ctx.rank == 1 else "1"
     try:
         group = dist.new_group(list(range(ctx.world_size)))
-        gather = shm_gather.for_group(group)
-        outs = Comm(group).all_gather_rows(torch.full((1,), float(ctx.rank)), [1] * ctx.world_size)
+        gather = shm_gather.open_for(group)
+        comm = Comm(group)
+        for _ in range(shm_gather.AFTER_CALLS + 1):
+            outs = comm.all_gather_rows(torch.full((1,), float(ctx.rank)), [1] * ctx.world_size)
     finally:
         del os.environ[shm_gather.ENV]
-    return gather is None, [float(o) for o in outs]
+    return gather is None and comm._shm is False, [float(o) for o in outs]
 
 
 def test_one_rank_switched_off_sends_every_rank_to_gloo(clusters):
@@ -83,24 +94,56 @@ def test_one_rank_switched_off_sends_every_rank_to_gloo(clusters):
         assert off and got == [0.0, 1.0]
 
 
-def rank_one_stays_away(ctx):
+def rank_one_stays_away(ctx, dead_pid):
     group = dist.new_group(list(range(ctx.world_size)))
-    gather = shm_gather.for_group(group)
+    gather = shm_gather.open_for(group)
     name_left = any(f.startswith("ditsp-gather-") for f in os.listdir(shm_gather.SHM_DIR))
     if ctx.rank == 1:
-        return name_left, None
+        return name_left, None, None
+    errors = []
     gather.timeout_s = 0.5
-    try:
-        gather.all_gather(torch.zeros(4))
-    except TimeoutError as e:
-        return name_left, str(e)
-    return name_left, "no error"
+    for pid in (gather.pids[1], dead_pid):  # rank 1 alive but away, then as if its process were gone
+        gather.pids[1] = pid
+        try:
+            gather.all_gather(torch.zeros(4))
+        except (TimeoutError, RuntimeError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return name_left, *errors
 
 
-def test_a_peer_that_never_comes_is_an_error_naming_it_and_no_segment_is_left(clusters):
-    (left0, err), (left1, _) = clusters(2).run(rank_one_stays_away)
+def test_a_peer_that_never_comes_or_is_gone_is_an_error_naming_it_and_no_segment_is_left(clusters):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid names no process
+    (left0, stuck, gone), (left1, _, _) = clusters(2).run(rank_one_stays_away, child.pid)
     assert not left0 and not left1
-    assert "rank 0" in err and "for rank 1 to write its rows" in err
+    assert stuck.startswith("TimeoutError: rank 0") and "for rank 1 to write its rows" in stuck
+    assert gone.startswith(f"RuntimeError: rank 0: rank 1 (pid {child.pid}) is gone")
+
+
+def test_a_zombie_is_not_alive():
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert shm_gather._alive(child.pid)
+        child.kill()
+        deadline = time.monotonic() + 10
+        while shm_gather._alive(child.pid):  # killed, not yet reaped: a zombie
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait()
+    assert not shm_gather._alive(child.pid)
+
+
+def rank_one_off_calls(ctx):
+    comm = Comm(dist.new_group(list(range(ctx.world_size))))
+    for _ in range(shm_gather.AFTER_CALLS):
+        comm.all_gather_ints([ctx.rank])
+    return getattr(comm, "_shm", None) is None
+
+
+def test_a_comm_of_few_all_gathers_sets_nothing_up(clusters):
+    assert all(clusters(2).run(rank_one_off_calls))
 
 
 def test_the_setting_is_checked():

@@ -171,12 +171,23 @@ class Comm:
     def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's contiguous ``t`` (same shape everywhere): through shared memory where the group's ranks
         share this machine's CPU (:mod:`.shm_gather`), else the backend's all-gather."""
-        shm = shm_gather.for_group(self.group) if t.device.type == "cpu" else None
+        shm = self._shm_gather() if t.device.type == "cpu" else None
         if shm is not None and shm.fits(t.numel() * t.element_size()):
             return shm.all_gather(t)
         outs = [torch.empty_like(t) for _ in range(self.world_size)]
         dist.all_gather(outs, t, group=self.group)
         return outs
+
+    def _shm_gather(self) -> "shm_gather.ShmGather | None":
+        """This Comm's shared-memory all-gather, set up (collectively) at its :data:`~.shm_gather.AFTER_CALLS`-th
+        CPU all-gather; every rank counts the same calls, so all set it up at the same one."""
+        state = getattr(self, "_shm", None)
+        if state is None:
+            self._cpu_gathers = getattr(self, "_cpu_gathers", 0) + 1
+            if self._cpu_gathers <= shm_gather.AFTER_CALLS:
+                return None
+            state = self._shm = shm_gather.open_for(self.group) or False
+        return state or None
 
     def reduce_scatter_rows(self, full: torch.Tensor, rows: Sequence[int], kind: str = "reduce_scatter") -> torch.Tensor:
         """Sum over ranks of ``full[my rows]``: every rank holds a full partial (``sum(rows)`` rows) and gets

@@ -16,15 +16,16 @@ become visible to the others in the order it made them (the counter is stored af
 loads are not reordered with loads, so that is enough. Elsewhere (other architectures) this module
 is not used, nor on groups whose ranks run on different machines, nor under ``DITSP_SHM_COLLECTIVES=0``.
 
-Agreement. Whether a group uses it is decided once, the first time the group gathers, from every
-rank's answer (an all-gather of host, boot, architecture and setting), so all ranks decide alike; a
+Agreement. A :class:`~ditsp.distributed.comm.Comm` sets one up after its first :data:`AFTER_CALLS`
+all-gathers (so a Comm made for one call never pays the set-up), deciding from every rank's answer
+(an all-gather of host, boot, namespaces, architecture and setting), so all ranks decide alike; a
 payload over :data:`MAX_SLOT_BYTES` goes through gloo, and every rank knows every payload's size, so
 they agree call by call too. A slot too small for a payload is replaced by a bigger segment, by all
 ranks at the same call.
 
-Never hang, never leave files: every wait ends at the group's timeout with an error naming the peer
-that did not come; the segment's name is removed as soon as every rank has mapped it, so nothing is
-left in ``/dev/shm`` whatever happens to the processes, and the mapping goes with the group.
+Never hang, never leave files: a wait ends with an error naming the peer when that peer's process is
+gone (checked about every millisecond) or at the group's timeout; the segment's name is removed as soon as every rank has mapped it, so nothing is
+left in ``/dev/shm`` whatever happens to the processes, and the mapping goes with its Comm.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import platform
 import socket
 import time
 import uuid
-import weakref
 
 import numpy as np
 import torch
@@ -52,7 +52,7 @@ _SPIN = 200  # checks before a waiting rank starts yielding its core
 _YIELD = 20000  # checks before it starts sleeping between them
 
 SHM_DIR = "/dev/shm"  # a RAM-backed file system: the segments live there, nameless once mapped
-_BY_GROUP: "weakref.WeakKeyDictionary[dist.ProcessGroup, ShmGather | None]" = weakref.WeakKeyDictionary()
+AFTER_CALLS = 8  # a Comm's all-gathers that go through gloo before it sets a segment up (a one-off Comm never does)
 
 
 def enabled() -> bool:
@@ -64,13 +64,27 @@ def enabled() -> bool:
 
 
 def _machine() -> str:
-    """This machine, as the same string on every process of it (host name and boot)."""
+    """This machine and namespace, as the same string in every process that can share a segment and see the
+    others' process ids: host name, boot, the shared-memory file system and the process-id namespace."""
+    parts = [socket.gethostname()]
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
+            parts.append(f.read().strip())
+        st = os.stat(SHM_DIR)
+        parts += [f"{st.st_dev}:{st.st_ino}", os.readlink("/proc/self/ns/pid")]
     except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+        return ""  # not Linux as expected: no shared segments
+    return "/".join(parts)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X", "x")
 
 
 def _timeout_s(group: dist.ProcessGroup) -> float:
@@ -81,26 +95,25 @@ def _timeout_s(group: dist.ProcessGroup) -> float:
         return 600.0
 
 
-def for_group(group: dist.ProcessGroup) -> "ShmGather | None":
-    """The group's shared-memory all-gather, set up at its first call (collective); None where gloo serves."""
-    if group in _BY_GROUP:
-        return _BY_GROUP[group]
-    gather = None
-    if dist.get_backend(group) == "gloo":
-        me = (_machine(), platform.machine(), enabled() and os.access(SHM_DIR, os.W_OK))
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, me, group=group)
-        if all(e == (me[0], e[1], True) and e[1] in _ORDERED_STORES for e in everyone):
-            gather = ShmGather(group)
-    _BY_GROUP[group] = gather
-    return gather
+def open_for(group: dist.ProcessGroup) -> "ShmGather | None":
+    """A shared-memory all-gather for ``group`` (collective: every rank of it calls this at the same point), or
+    None where gloo must serve: unless every rank runs on this machine, in one process-id namespace, on an
+    architecture with ordered stores (module doc) and with the setting on, all ranks get None."""
+    if dist.get_backend(group) != "gloo":
+        return None
+    me = (_machine(), platform.machine(), enabled() and os.access(SHM_DIR, os.W_OK), os.getpid())
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, me, group=group)
+    if all(e[0] and e[0] == me[0] and e[1] in _ORDERED_STORES and e[2] for e in everyone):
+        return ShmGather(group, [e[3] for e in everyone])
+    return None
 
 
 class ShmGather:
     """All-gather of same-sized CPU tensors among a gloo group's ranks on one x86-64 machine (module doc)."""
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, pids: list[int]):
+        self.group, self.pids = group, pids
         self.rank, self.n = dist.get_rank(group), dist.get_world_size(group)
         self.timeout_s = _timeout_s(group)
         self.calls = 0
@@ -157,9 +170,13 @@ class ShmGather:
             checks += 1
             if checks < _SPIN:
                 continue
-            if checks % 1024 == 0 and time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.rank}: a shared-memory all-gather waited {self.timeout_s:g} s for "
-                                   f"rank {peer} to {what} (call {value}); that rank is stuck or gone")
+            if checks % 256 == 0:
+                if not _alive(self.pids[peer]):
+                    raise RuntimeError(f"rank {self.rank}: rank {peer} (pid {self.pids[peer]}) is gone, in a "
+                                       f"shared-memory all-gather waiting for it to {what}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {self.rank}: a shared-memory all-gather waited {self.timeout_s:g} s for "
+                                       f"rank {peer} to {what} (call {value}); that rank is stuck")
             if checks < _YIELD:
                 os.sched_yield()
             else:
