@@ -339,3 +339,19 @@ def test_read_only_folder(tmp_path):
             write_image(ro / "a.png", torch.zeros(16, 16, 3, dtype=torch.uint8))
     finally:
         ro.chmod(0o755)
+
+
+def test_the_held_out_clip_is_the_same_file_in_every_process(tmp_path):
+    """`make run` and `bench job` start from this clip: written with ``same_bytes``, two processes write the
+    same bytes (x264's macroblock-tree rate control made them differ from run to run)."""
+    import hashlib
+    import subprocess
+    import sys
+
+    digests = set()
+    for i in range(2):
+        out = tmp_path / f"in{i}.mp4"
+        subprocess.run([sys.executable, "-m", "ditsp.train.heldout", str(out), str(tmp_path / f"clean{i}"),
+                        "--size", "64x48", "--frames", "9"], check=True, capture_output=True)
+        digests.add(hashlib.sha256(out.read_bytes()).hexdigest())
+    assert len(digests) == 1
