@@ -187,11 +187,6 @@ class VideoWriter:
     output: copied packet by packet when the container can carry the codec, otherwise
     decoded and re-encoded to AAC. Audio is interleaved as the video is
     written and cut to the video's duration at ``close()``.
-
-    ``same_bytes``: x264 without its macroblock-tree rate control, so the same frames give the same
-    file in every process. With it on (the default: smaller files at the same quality), this
-    project's x264 build encoded the same 64x48 frames into different bytes from one process to the
-    next (two or three variants over four runs); without it, every run alike, at a larger size.
     """
 
     def __init__(
@@ -205,7 +200,6 @@ class VideoWriter:
         audio_from: str | os.PathLike | None = None,
         overwrite: bool = False,
         times: list[float] | None = None,
-        same_bytes: bool = False,
     ):
         if not 0 <= crf <= 51:
             raise ValueError(f"crf must be in [0, 51], got {crf}")
@@ -216,7 +210,6 @@ class VideoWriter:
         self.crf = crf
         self.codec = codec or video_encoder()
         self.preset = preset
-        self.same_bytes = same_bytes
         self.frames_written = 0
         self.audio_mode: str | None = None  # "copy", "aac" or None
         self._closed = False
@@ -324,13 +317,11 @@ class VideoWriter:
             raise _fail(f"{self.path}: {width}x{height} frames cannot be stored as yuv420p (sides must be even)")
         s = self._out.add_stream(self.codec, rate=self.rate)
         s.width, s.height, s.pix_fmt = width, height, "yuv420p"
-        # One encoder thread, set explicitly: the encoder's automatic thread count follows the CPUs, and its
-        # threaded rate control is where runs could differ (``same_bytes`` removes what still can: the
-        # class doc). Encoding is a small part of a restore's time.
+        # One encoder thread, set explicitly: the same frames give the same file bytes on any machine and
+        # load (the encoder's automatic thread count follows the CPUs, and its threaded rate control is
+        # where runs could differ). Encoding is a small part of a restore's time.
         if self.codec in ("libx264", "h264", "libx265"):
             s.options = {"crf": str(self.crf), "preset": self.preset, "threads": "1"}
-            if self.same_bytes and self.codec == "libx264":
-                s.options["x264-params"] = "mbtree=0"
         else:  # mpeg4 and others: a fixed quantiser roughly matching the crf scale
             q = str(max(2, min(31, round(2 + self.crf * 29 / 51))))
             s.options = {"qmin": q, "qmax": q}
@@ -437,11 +428,9 @@ def write_video(
     codec: str | None = None,
     audio_from: str | os.PathLike | None = None,
     overwrite: bool = False,
-    same_bytes: bool = False,
 ) -> Path:
     """Write a clip (one tensor or an iterable of chunks of uint8 frames) atomically; see ``VideoWriter``."""
-    with VideoWriter(path, fps, crf=crf, codec=codec, audio_from=audio_from, overwrite=overwrite,
-                     same_bytes=same_bytes) as w:
+    with VideoWriter(path, fps, crf=crf, codec=codec, audio_from=audio_from, overwrite=overwrite) as w:
         if isinstance(frames, (torch.Tensor, np.ndarray)):
             w.write(frames)
         else:
