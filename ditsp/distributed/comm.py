@@ -79,12 +79,14 @@ class Comm:
             self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.group = group
         self.stats = stats or CommStats()
+        self._shm, self._cpu_gathers = None, 0  # the shared-memory all-gather: undecided, CPU all-gathers so far
 
     @classmethod
     def single(cls, stats: CommStats | None = None) -> "Comm":
         """A one-rank Comm without a process group (single device)."""
         obj = cls.__new__(cls)
         obj.group, obj.rank, obj.world_size, obj.stats = None, 0, 1, stats or CommStats()
+        obj._shm, obj._cpu_gathers = False, 0  # one rank gathers nothing
         return obj
 
     @classmethod
@@ -181,13 +183,12 @@ class Comm:
     def _shm_gather(self) -> "shm_gather.ShmGather | None":
         """This Comm's shared-memory all-gather, set up (collectively) at its :data:`~.shm_gather.AFTER_CALLS`-th
         CPU all-gather; every rank counts the same calls, so all set it up at the same one."""
-        state = getattr(self, "_shm", None)
-        if state is None:
-            self._cpu_gathers = getattr(self, "_cpu_gathers", 0) + 1
+        if self._shm is None:
+            self._cpu_gathers += 1
             if self._cpu_gathers <= shm_gather.AFTER_CALLS:
                 return None
-            state = self._shm = shm_gather.open_for(self.group) or False
-        return state or None
+            self._shm = shm_gather.open_for(self.group) or False
+        return self._shm or None
 
     def reduce_scatter_rows(self, full: torch.Tensor, rows: Sequence[int], kind: str = "reduce_scatter") -> torch.Tensor:
         """Sum over ranks of ``full[my rows]``: every rank holds a full partial (``sum(rows)`` rows) and gets

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     w, h = (int(v) for v in a.size.lower().split("x"))
     low, clean = held_out_clip(a.frames, (h, w), a.seed)
-    write_video(a.input, to_u8(low), a.fps, crf=0, overwrite=a.overwrite)  # lossless: the same frames every run
+    write_video(a.input, to_u8(low), a.fps, crf=0, overwrite=a.overwrite)  # lossless (at crf 12 runs differed)
     out = Path(a.clean)
     if out.exists() and not a.overwrite:
         print(f"{out} exists (pass --overwrite)", file=sys.stderr)
