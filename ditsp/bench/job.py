@@ -105,12 +105,17 @@ def _figures(report: dict, wall: float, cpu: float) -> dict:
     }
 
 
+def _min_rounds(rounds: list[dict]) -> dict:
+    """The wall and per-stage figures' minimum over the rounds (stages separately)."""
+    return {"wall_s": min(r["wall_s"] for r in rounds),
+            "stage_s": {k: min(r["stage_s"][k] for r in rounds) for k in STAGES},
+            "stage_cpu_max_rank_s": {k: min(r["stage_cpu_max_rank_s"][k] for r in rounds) for k in STAGES}}
+
+
 def _best(runs: list[dict]) -> dict:
     """Each figure's minimum over the rounds (stages separately)."""
     return {
-        "wall_s": min(r["wall_s"] for r in runs), "cpu_all_s": min(r["cpu_all_s"] for r in runs),
-        "stage_s": {k: min(r["stage_s"][k] for r in runs) for k in STAGES},
-        "stage_cpu_max_rank_s": {k: min(r["stage_cpu_max_rank_s"][k] for r in runs) for k in STAGES},
+        **_min_rounds(runs), "cpu_all_s": min(r["cpu_all_s"] for r in runs),
         "phases_s": {k: min(r["phases_s"][k] for r in runs) for k in PHASES},
         "rank_cpu_max_s": min(max(r["rank_cpu_s"]) for r in runs),
         "sha256": sorted({r["sha256"] for r in runs}),
@@ -167,12 +172,6 @@ def _slowest(jobs: list[dict]) -> dict:
     return {"wall_s": max(j["wall_s"] for j in jobs),
             "stage_s": {k: max(j["stage_s"][k] for j in jobs) for k in STAGES},
             "stage_cpu_max_rank_s": {k: max(j["stage_cpu_max_rank_s"][k] for j in jobs) for k in STAGES}}
-
-
-def _min_rounds(rounds: list[dict]) -> dict:
-    return {"wall_s": min(r["wall_s"] for r in rounds),
-            "stage_s": {k: min(r["stage_s"][k] for r in rounds) for k in STAGES},
-            "stage_cpu_max_rank_s": {k: min(r["stage_cpu_max_rank_s"][k] for r in rounds) for k in STAGES}}
 
 
 def _arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
