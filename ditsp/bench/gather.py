@@ -112,18 +112,23 @@ def main(args=None, parser=None) -> int:
             f"{args.weights}), best of {args.rounds} interleaved rounds, slowest rank; same bits either way: "
             f"{all(r['same_bits'] for r in ranks)}", ""]
     routes = list(r0["latency"])
-    lines = ["| all-gather of | " + " | ".join(routes) + (" | shm / gloo |" if len(routes) > 1 else " |"),
-             "| --- |" + " ---: |" * (len(routes) + (len(routes) > 1))]
-    for size in SIZES:
-        vals = [max(r["latency"][n][size] for r in ranks) for n in routes]
-        ratio = f" {vals[1] / vals[0]:.3f} |" if len(vals) > 1 else ""
-        lines.append(f"| {size >> 10} KiB per rank | " + " | ".join(f"{v * 1e3:.3f} ms" for v in vals) + " |" + ratio)
-    lines += ["", "| VAE window | " + " | ".join(routes) + (" | shm / gloo |" if len(routes) > 1 else " |"),
-              "| --- |" + " ---: |" * (len(routes) + (len(routes) > 1))]
-    for op in ("encode", "decode"):
-        vals = [max(r["window"][n][op] for r in ranks) for n in routes]
-        ratio = f" {vals[1] / vals[0]:.2f} |" if len(vals) > 1 else ""
-        lines.append(f"| {op} s | " + " | ".join(f"{v:.3f}" for v in vals) + " |" + ratio)
+
+    def table(first: str, rows, ratio_digits: int) -> list[str]:
+        """One table: a row per (label, value of each route from a rank's results, format), the slowest rank's
+        value per cell, and shm / gloo beside them when both ran."""
+        both = len(routes) > 1
+        out = [f"| {first} | " + " | ".join(routes) + (" | shm / gloo |" if both else " |"),
+               "| --- |" + " ---: |" * (len(routes) + both)]
+        for label, get, fmt in rows:
+            vals = [max(get(r, n) for r in ranks) for n in routes]
+            out.append(f"| {label} | " + " | ".join(fmt(v) for v in vals) + " |"
+                       + (f" {vals[1] / vals[0]:.{ratio_digits}f} |" if both else ""))
+        return out
+
+    lines = table("all-gather of", [(f"{size >> 10} KiB per rank", lambda r, n, s=size: r["latency"][n][s],
+                                      lambda v: f"{v * 1e3:.3f} ms") for size in SIZES], 3)
+    lines += ["", *table("VAE window", [(f"{op} s", lambda r, n, o=op: r["window"][n][o], lambda v: f"{v:.3f}")
+                                        for op in ("encode", "decode")], 2)]
     print("\n".join(head + lines))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
