@@ -1,12 +1,13 @@
 """All-gathers between the CPU ranks of one machine through shared memory instead of gloo's sockets.
 
 gloo moves a CPU tensor between two processes of one machine over a loopback TCP connection, through
-I/O threads of its own that wake the waiting rank. On this project's 2-core VM an all-gather between
-two ranks took 0.72 ms for 1 KiB, 1.1 ms for 512 KiB and 3.7 ms for 2 MiB, and a height-sharded VAE
-makes about sixty of them per window (each norm's frame statistics with its conv's halo rows,
-:mod:`ditsp.models.seedvr2.vae.execution`). Through one shared segment the same calls take 8 us,
-126 us and 433 us, and a 17x256x256 window at SP=2 encodes in 0.43 s instead of 0.50 and decodes in
-0.92 s instead of 1.14, with the same bits.
+I/O threads of its own that wake the waiting rank, and a height-sharded VAE makes about sixty
+all-gathers per window (each norm's frame statistics with its conv's halo rows,
+:mod:`ditsp.models.seedvr2.vae.execution`), each a point where one rank waits for the other. Through
+one shared segment, between two ranks on this project's 2-core VM (``ditsp bench gather``,
+``benchmarks/results/gather.md``): 1 KiB in 0.009 ms instead of 0.24, 512 KiB in 0.040 instead of
+0.49, and a 17x256x256 window at SP=2 encodes in 0.42 s instead of 0.48 and decodes in 1.00 s
+instead of 1.07, with the same bits.
 
 The segment holds a pair of counters per rank and a slot per rank. A call, the k-th on the group:
 wait until every peer has read this rank's slot in call k - 1; copy this rank's bytes into its slot;
@@ -24,8 +25,9 @@ they agree call by call too. A slot too small for a payload is replaced by a big
 ranks at the same call.
 
 Never hang, never leave files: a wait ends with an error naming the peer when that peer's process is
-gone (checked about every millisecond) or at the group's timeout; the segment's name is removed as soon as every rank has mapped it, so nothing is
-left in ``/dev/shm`` whatever happens to the processes, and the mapping goes with its Comm.
+gone (checked about every millisecond) or at the group's timeout; the segment's name is removed as
+soon as every rank has mapped it, so nothing is left in ``/dev/shm`` whatever happens to the
+processes, and the mapping goes with its Comm.
 """
 
 from __future__ import annotations
