@@ -1,43 +1,57 @@
 """How the C allocator serves torch's big CPU buffers: the ``DITSP_CPU_MALLOC`` policy.
 
 torch's CPU tensors come from glibc's ``malloc``, which maps every block over 32 MiB afresh with ``mmap``
-and unmaps it on free. A VAE or DiT activation of that size is then first touched one 4 KiB page
-fault at a time (about 3 us each on a VM), on every call, and the kernel zeroes each page. On this
-project's 2-core machine that was 30-40% of a 17x128x128 fp32 VAE encode's CPU time, and it made an
-elementwise op on a 35 MB tensor 7x slower than on a reused buffer.
+and unmaps it on free. A VAE or DiT activation of that size is then faulted in on every call, and the
+kernel zeroes every page of it first. On this project's 2-core machine that was 30-40% of a 17x128x128
+fp32 VAE encode's CPU time; at SP=2 a whole job spent a fifth of its CPU time in the kernel's page
+clearing, twice one device's share, because a rank's height slab makes fewer, bigger blocks than one
+device's frame chunks, which stay under the threshold and are reused.
 
 glibc reads its settings (``GLIBC_TUNABLES``) once, when a process starts, so a policy is applied by
 starting the process with them: the ``ditsp`` program re-executes itself once (:func:`reexec`, before
 it imports torch), and the ranks it starts inherit the setting; :func:`for_new_processes` does the same
 for the ranks and server workers a library user's process spawns. The policies:
 
-- ``hugepages`` (default): glibc asks the kernel for transparent huge pages on the blocks it maps and
-  on its heap, so a big buffer costs one fault per 2 MiB instead of per 4 KiB; the memory used is
-  unchanged. Needs glibc 2.35 or newer and THP not ``never``; elsewhere it does nothing.
+- ``reuse`` (default): blocks up to 1 GiB come from the heap and freed ones stay in the process, so
+  the next window's buffers of the same sizes take the same pages: no fault, no clearing. The heap is
+  on transparent huge pages (glibc 2.35 or newer). glibc's per-thread cache and fast bins are off:
+  torch asks for 64-byte aligned blocks, glibc cuts a small piece off each end of the block it found,
+  and those pieces, parked in the cache or a fast bin, kept a freed block from merging back to the
+  size the same request needs, so the heap grew by every buffer freed. With both off a freed block
+  merges at once. The heap keeps its high-water mark until the process ends or
+  :func:`release_free_heap` hands the free part back (a server worker does after each job), as a GPU
+  caching allocator does; small C++ allocations cost about 0.1 us more each.
+- ``hugepages``: glibc asks the kernel for transparent huge pages on the blocks it maps and on its
+  heap, so a big buffer costs one fault per 2 MiB instead of per 4 KiB, still cleared on every call;
+  the memory used is unchanged. Needs glibc 2.35 or newer and THP not ``never``.
 - ``system``: glibc's own behaviour, untouched.
 
-Keeping freed blocks in the process instead (``mmap_max=0`` and no trimming) was measured and left out:
-torch allocates 64-byte aligned, and glibc 2.36 does not fit an aligned request into a freed block of
-the same size, so a loop of same-sized buffers grew the heap by every buffer it freed.
+A policy does nothing where the C library is not glibc (or glibc is older than it needs).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import sys
 
 from .scoped_env import scoped_env
 
 ENV = "DITSP_CPU_MALLOC"
-POLICIES = ("hugepages", "system")
-DEFAULT = "hugepages"
+POLICIES = ("reuse", "hugepages", "system")
+DEFAULT = "reuse"
 APPLIED = "DITSP_CPU_MALLOC_APPLIED"  # set by reexec: this process started with its policy's tunables
 
+_HUGETLB = "glibc.malloc.hugetlb=1"
 _TUNABLES = {
-    "hugepages": ("glibc.malloc.hugetlb=1",),
+    "reuse": (_HUGETLB, f"glibc.malloc.mmap_threshold={1 << 30}", f"glibc.malloc.trim_threshold={1 << 62}",
+              "glibc.malloc.tcache_count=0", "glibc.malloc.mxfast=0"),
+    "hugepages": (_HUGETLB,),
     "system": (),
 }
 _MIN_GLIBC_HUGETLB = (2, 35)
+_MIN_GLIBC_TUNABLES = (2, 26)  # the malloc tunables reuse sets (hugetlb itself came with 2.35)
 
 
 def policy(environ=None) -> str:
@@ -66,10 +80,10 @@ def glibc_version() -> tuple[int, int] | None:
 def tunables(name: str) -> tuple[str, ...]:
     """The ``GLIBC_TUNABLES`` entries of policy ``name`` on this C library (none where it has no effect)."""
     version = glibc_version()
-    if version is None:
+    if version is None or version < _MIN_GLIBC_TUNABLES:
         return ()
-    if name == "hugepages" and version < _MIN_GLIBC_HUGETLB:
-        return ()
+    if version < _MIN_GLIBC_HUGETLB:
+        return tuple(e for e in _TUNABLES[name] if e != _HUGETLB)
     return _TUNABLES[name]
 
 
@@ -128,12 +142,27 @@ def describe(environ=None) -> str:
         return "system (glibc's own: big buffers mapped and faulted in afresh on every call)"
     entries = tunables(name)
     if not entries:
-        why = "no glibc" if glibc_version() is None else "glibc older than 2.35"
+        needs = _MIN_GLIBC_HUGETLB if name == "hugepages" else _MIN_GLIBC_TUNABLES
+        why = "no glibc" if glibc_version() is None else f"glibc older than {needs[0]}.{needs[1]}"
         return f"{name} asked, no effect here ({why})"
     state = "in effect" if in_effect(environ) else "not in effect in this process (start it through `ditsp`)"
-    if name == "hugepages" and transparent_hugepages() == "never":
-        state += "; the kernel's transparent huge pages are off (never), so it changes nothing"
+    if _HUGETLB in entries and transparent_hugepages() == "never":
+        state += ("; the kernel's transparent huge pages are off (never), so it changes nothing" if name == "hugepages"
+                  else "; the kernel's transparent huge pages are off (never): the heap is in 4 KiB pages")
     return f"{name} ({':'.join(entries)}), {state}"
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the system (``malloc_trim``; nothing off glibc).
+
+    Under ``reuse`` the heap keeps what a job freed for the next one; a long-lived process that goes
+    idle (a server worker between jobs) calls this so it holds only what is live."""
+    if glibc_version() is None:
+        return
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def transparent_hugepages() -> str | None:

@@ -3,13 +3,15 @@ one rank can use before work starts (:func:`available_bytes`)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import os
 import resource
 
 import torch
-import ctypes
-import ctypes.util
+
+from .cpu_malloc import release_free_heap
 
 
 class PeakMemory:
@@ -60,10 +62,7 @@ def _libc():
 def _release_free_heap() -> None:
     """Collect garbage and return glibc's free heap pages to the system (no-op off glibc)."""
     gc.collect()
-    try:
-        _libc().malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    release_free_heap()
 
 
 def _status_kib(field: str) -> int:

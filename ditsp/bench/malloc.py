@@ -152,7 +152,7 @@ def format_report(rows: list[dict], meta: dict) -> list[str]:
 def _arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--case", default="vae,dit", help="comma-separated: vae, dit")
     p.add_argument("--dtype", default="fp32,bf16", help="comma-separated: fp32, bf16")
-    p.add_argument("--policy", default=",".join(("system", "hugepages")),
+    p.add_argument("--policy", default=",".join(("system", "hugepages", "reuse")),
                    help=f"comma-separated, the first is the reference: {', '.join(cpu_malloc.POLICIES)}")
     p.add_argument("--clip", type=positive_int_list, default=[9, 128, 128], help="VAE clip T,H,W")
     p.add_argument("--latent", type=positive_int_list, default=[5, 64, 64], help="DiT latent T,H,W")

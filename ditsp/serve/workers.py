@@ -270,6 +270,8 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
             group.world = 1
             tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
             answers.send((cmd_id, False, f"{error_line(e)}\n{tb}"))
+        if name == "job":  # idle until the next job: hold only what is live (the reuse policy keeps the rest)
+            cpu_malloc.release_free_heap()
     group.drop()
 
 
