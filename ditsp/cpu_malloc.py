@@ -160,9 +160,14 @@ def release_free_heap() -> None:
     if glibc_version() is None:
         return
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def libc():
+    """This process's C library (raises OSError where there is none to load)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
 def transparent_hugepages() -> str | None:

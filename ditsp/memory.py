@@ -3,15 +3,13 @@ one rank can use before work starts (:func:`available_bytes`)."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import os
 import resource
 
 import torch
 
-from .cpu_malloc import release_free_heap
+from .cpu_malloc import libc, release_free_heap
 
 
 class PeakMemory:
@@ -52,11 +50,6 @@ class PeakMemory:
             return torch.cuda.max_memory_allocated(self.device) - self.base
         hwm = _status_kib("VmHWM") * 1024 or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return max(0, hwm - self.base)
-
-
-def _libc():
-    """This process's C library (raises OSError where there is none to load)."""
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
 def _release_free_heap() -> None:
@@ -131,6 +124,6 @@ def exact_cpu_peaks(threshold: int = 16 * 1024) -> bool:
     Returns whether the setting took effect.
     """
     try:
-        return bool(_libc().mallopt(M_MMAP_THRESHOLD, int(threshold)))
+        return bool(libc().mallopt(M_MMAP_THRESHOLD, int(threshold)))
     except (OSError, AttributeError):
         return False
