@@ -51,7 +51,7 @@ _TUNABLES = {
     "system": (),
 }
 _MIN_GLIBC_HUGETLB = (2, 35)
-_MIN_GLIBC_TUNABLES = (2, 26)  # the malloc tunables reuse sets (hugetlb itself came with 2.35)
+_MIN_GLIBC_TUNABLES = (2, 31)  # the malloc tunables reuse sets (mxfast came last; hugetlb itself with 2.35)
 
 
 def policy(environ=None) -> str:

@@ -54,9 +54,9 @@ def test_rank_environment_keeps_what_the_user_set(monkeypatch):
     assert cpu_malloc.rank_environment(huge) == {}
     assert "no effect here (glibc older than 2.35)" in cpu_malloc.describe(huge)
     assert cpu_malloc.rank_environment({}) == {"GLIBC_TUNABLES": reuse.replace("glibc.malloc.hugetlb=1:", "")}
-    monkeypatch.setattr(cpu_malloc, "glibc_version", lambda: (2, 25))  # the malloc tunables came with 2.26
+    monkeypatch.setattr(cpu_malloc, "glibc_version", lambda: (2, 30))  # mxfast, the last of them, came with 2.31
     assert cpu_malloc.rank_environment({}) == {}
-    assert "no effect here (glibc older than 2.26)" in cpu_malloc.describe({})
+    assert "no effect here (glibc older than 2.31)" in cpu_malloc.describe({})
 
 
 def test_no_glibc_means_nothing_to_set(monkeypatch):
@@ -75,7 +75,7 @@ def test_reexec_restarts_once_with_the_tunables():
     entries = ":".join(cpu_malloc.tunables(cpu_malloc.DEFAULT))
     if entries:  # started twice, then the arguments as given
         assert out[:3] == ["start", "start", f"{entries} 1 ['a b', 'c']"]
-    else:  # glibc older than 2.26: the policy needs nothing, nothing restarts
+    else:  # glibc older than 2.31: the policy needs nothing, nothing restarts
         assert out[:2] == ["start", "None None ['a b', 'c']"]
 
 
@@ -156,7 +156,7 @@ def test_reuse_serves_a_loop_of_buffers_from_the_same_pages():
     (Measured here, glibc 2.36: ``hugepages`` took 10,757 faults; the heap settings without the cache
     and fast-bin entries grew the heap by 365 MB, ten of the biggest buffer.)"""
     if not cpu_malloc.tunables("reuse"):
-        pytest.skip("glibc older than 2.26: the policy changes nothing here")
+        pytest.skip("glibc older than 2.31: the policy changes nothing here")
     env = _env(**{cpu_malloc.ENV: "reuse"})
     env.update(cpu_malloc.rank_environment(env))
     out = subprocess.run([sys.executable, "-c", _LOOP], env=env, capture_output=True, text=True, timeout=120,
