@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 
@@ -165,8 +166,10 @@ def release_free_heap() -> None:
         pass
 
 
+@functools.cache
 def libc():
-    """This process's C library (raises OSError where there is none to load)."""
+    """This process's C library, looked up once (the lookup runs ``ldconfig``: about 2 ms); raises OSError
+    where there is none to load."""
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
