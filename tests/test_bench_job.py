@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from ditsp import cpu_malloc
 from ditsp.cli import main
 
 pytestmark = pytest.mark.timeout(600)
@@ -25,6 +26,7 @@ def test_job_bench_runs_one_device_and_sp2_and_they_write_the_same_frames(tmp_pa
     assert len(data["runs"]["2"][0]["rank_cpu_s"]) == 2
     md = (tmp_path / "job.md").read_text()
     assert "| vae_decode s (rank 0 wall) |" in md and "SP=2 / SP=1" in md
+    assert f"; CPU allocator {cpu_malloc.policy()}" in md  # the policy the runs started under
     (ceiling,) = data["at_once"]  # one round: two one-device jobs at once, the slowest's figures
     assert ceiling["wall_s"] >= sum(ceiling["stage_s"].values()) > 0
     assert "| 2 x SP=1 at once (slowest) |" in md and "| ceiling / measured |" in md

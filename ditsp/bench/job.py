@@ -197,6 +197,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    __doc__, _arguments, main)
 
 
+def _allocator() -> str:
+    """The CPU allocator policy the runs start under (they inherit this process's environment, and a run
+    started outside the ``ditsp`` program applies the same policy when it starts)."""
+    from .. import cpu_malloc
+
+    name = cpu_malloc.policy()
+    return name + ("" if name == "system" or cpu_malloc.tunables(name) else " (no effect here)")
+
+
 def main(args=None, parser=None) -> int:
     from ..train import heldout
 
@@ -242,7 +251,8 @@ def main(args=None, parser=None) -> int:
     w, h = (int(v) for v in args.size.lower().split("x"))
     head = [f"`ditsp upscale` of a {args.frames}-frame held-out clip, {w // 2}x{h // 2} -> {w}x{h}, small restorer "
             f"({args.weights}), {args.window_frames}-frame windows (overlap {args.overlap}), {args.threads} thread(s) "
-            f"per rank, kernel policy {policy}{', --compile' if args.compile else ''}; CPU capability usage: "
+            f"per rank, kernel policy {policy}{', --compile' if args.compile else ''}; CPU allocator "
+            f"{_allocator()}; CPU capability usage: "
             f"{_cpu_capability()}; {os.cpu_count()} CPU cores; min over {args.repeats} round(s); "
             f"frames {'identical at every degree' if same else 'differ between degrees (fast policy)'} "
             f"(sha256 {', '.join(sorted(d[:16] for d in digests))})", ""]
