@@ -9,12 +9,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+from ditsp import cpu_malloc
 from ditsp.cli import main
 from ditsp.io.testclip import make_test_clip
 from ditsp.io.probe import probe
 from ditsp.io.read import read_video
 from ditsp.io.write import write_image
-from ditsp.models.seedvr2.restore import UpscaleRequest, rank_upscale, summarize
+from ditsp.models.seedvr2.restore import UpscaleRequest, format_report, rank_upscale, summarize
 from ditsp.models.seedvr2.weights import WeightsSpec
 
 pytestmark = pytest.mark.timeout(240)
@@ -92,6 +93,10 @@ def test_folder_of_frames_and_json_report(tmp_path, capsys):
     assert set(report["stage_s"]) == {"read", "vae_encode", "dit", "vae_decode", "color_fix", "write"}
     assert report["dit_path"].startswith("window-aligned") and report["vae_modes"]
     assert "memory estimate" in report["memory_estimate"]
+    # which allocator policy the rank ran under, and whether it took effect there (this process: not started
+    # through the `ditsp` program, so not in effect)
+    assert report["cpu_allocator"] == cpu_malloc.describe()
+    assert f"CPU allocator: {cpu_malloc.describe()}" in format_report(report)
 
 
 def test_plot_written(clip, tmp_path):

@@ -28,6 +28,7 @@ from dataclasses import asdict
 
 import torch
 
+from ... import cpu_malloc
 from ...config import ParallelConfig
 from ...distributed.comm import Comm
 from ...distributed.transport import Transport
@@ -150,6 +151,7 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
     with use_kernel_shapes(shapes_for(req.deterministic)), stance(req.compile):  # the VAE's calls; the DiT's
         report = _rank_upscale(ctx, req)                                      # come from its runtime
     report["kernel_shapes"] = shapes_for(req.deterministic).describe()
+    report["cpu_allocator"] = cpu_malloc.describe()  # this rank's process: the policy, and whether it is in effect
     if req.compile:  # the models stay compiled in this process's cache: a server's next job reuses them
         models = load(req.weights, ctx.device)
         report["compile"] = describe(models.dit, models.vae)

@@ -31,6 +31,7 @@ def format_report(s: dict) -> str:
         f"{len(s['windows'])} window(s), SP={s['world_size']}",
         f"DiT: {s['dit_path']}",
         f"kernel calls: {s.get('kernel_shapes', 'deterministic')}",
+        *([f"CPU allocator: {s['cpu_allocator']}"] if s.get("cpu_allocator") else []),
         f"compile: {s.get('compile', 'eager')}",
         *(f"{m}" for m in s["vae_modes"]),
         *(f"input: {m}" for m in s.get("media_notes") or ()),
