@@ -32,7 +32,7 @@ from ..models.seedvr2.vae.config import PRESETS as VAE_PRESETS
 from ..models.seedvr2.vae.model import VideoVAE
 from . import checkpoint as ckpt
 from .data import ClipPairs
-from .objective import OBJECTIVES, check_vae_training, dit_loss, vae_loss
+from .objective import OBJECTIVES, check_vae_training, dit_loss, pin_posterior_std, vae_loss
 from ..models.seedvr2.weights import MODELS, seeded_vae
 from ..models.seedvr2.vae.checkpoint import load_checkpoint as load_vae
 import math
@@ -99,6 +99,8 @@ def build(cfg: TrainConfig):
     vae = seeded_vae(vae_cfg, 7)
     if cfg.vae:
         load_vae(vae, cfg.vae)
+    elif cfg.objective == "vae":
+        pin_posterior_std(vae)
     vae = vae.float()
     dit.checkpoint_blocks = cfg.activation_checkpointing
     if cfg.objective == "dit":

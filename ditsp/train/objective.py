@@ -10,9 +10,14 @@ number. ``z_clean`` is the frozen VAE's posterior mean of the clean clip (x
 restoration pipeline encodes it. No perceptual or adversarial term (no
 offline LPIPS weights here).
 
-``vae``: reconstruction of the clean clip through a posterior sample, L1 +
-MSE in [-1, 1] pixels, plus a small KL term that keeps the latent near unit
-scale. The VAE trains on one device only (see :func:`check_vae_training`).
+``vae``: reconstruction of the clean clip from the posterior mean, L1 + MSE
+in [-1, 1] pixels, plus a small penalty on the mean's scale (the KL term's
+mean part). A VAE trained from scratch has its posterior's log-variance pinned
+at the range's floor (:func:`pin_posterior_std`): reconstructing through a
+sample whose noise starts at unit scale, against a latent a few tenths wide,
+taught the decoder to ignore the latent, and the restoration pipeline, which
+conditions the DiT on a sample, would be handed mostly noise. The VAE trains on
+one device only (see :func:`check_vae_training`).
 """
 
 from __future__ import annotations
@@ -50,11 +55,23 @@ def decode(vae: VideoVAE, z: torch.Tensor) -> torch.Tensor:
 
 def vae_loss(vae: VideoVAE, clean: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     post = posterior(vae, clean)
-    eps = torch.randn(post.mean.shape, generator=g).to(post.mean.dtype)
-    recon = decode(vae, post.sample(eps))
+    recon = decode(vae, post.mean)
     target = to_unit(clean).to(recon.dtype)
-    kl = 0.5 * (post.mean.pow(2) + post.std.pow(2) - 1 - 2 * post.std.clamp_min(1e-12).log()).mean()
-    return F.l1_loss(recon, target) + F.mse_loss(recon, target) + KL_WEIGHT * kl
+    scale = 0.5 * post.mean.pow(2).mean()
+    return F.l1_loss(recon, target) + F.mse_loss(recon, target) + KL_WEIGHT * scale
+
+
+@torch.no_grad()
+def pin_posterior_std(vae: VideoVAE) -> VideoVAE:
+    """Set the encoder's log-variance channels to the range's floor: weights 0, bias ``logvar_range[0]``.
+
+    The posterior's std is then ~3e-7, so a sample is its mean; :func:`vae_loss` never reads these
+    channels, so they get no gradient and stay pinned through training (weight decay shrinks the bias
+    by lr x decay of itself per step: 1e-5 at the defaults)."""
+    c, half = vae.encoder.conv_out, vae.cfg.latent_channels
+    c.weight[half:] = 0
+    c.bias[half:] = vae.cfg.logvar_range[0]
+    return vae
 
 
 @torch.no_grad()

@@ -517,6 +517,10 @@ class Exec:
         g = layer.num_groups
         cg = c // g
         scale, shift = self._scale_shift(layer, x.shape, rm, r2)
+        if torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or shift.requires_grad):
+            # training: out= and in-place SiLU would cut the graph, so plain ops (no causal front: _front_frames)
+            y = torch.addcmul(shift.to(x.dtype), x.view(b, g, cg, t, h, w), scale.to(x.dtype)).view(x.shape)
+            return (F.silu(y) if silu else y).contiguous(memory_format=self.memory_format)
         fused = fused_norm(layer)
         if fused is not None:  # --compile: normalise and SiLU in one pass (ditsp.models.seedvr2.compiled)
             with torch.no_grad():
