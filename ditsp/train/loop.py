@@ -159,10 +159,10 @@ class Trainer:
 
     def loss(self, step: int) -> torch.Tensor:
         degraded, clean = self.data.batch(step, self.cfg.batch)
-        g = torch.Generator().manual_seed(self.cfg.seed * 7919 + step + 1)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
             if self.cfg.objective == "vae":
-                return vae_loss(self.vae, clean, g).float()
+                return vae_loss(self.vae, clean).float()
+            g = torch.Generator().manual_seed(self.cfg.seed * 7919 + step + 1)
             t, h, w = self.vae.cfg.latent_shape(self.cfg.frames, *self.cfg.size)
             return dit_loss(self.dit, self.vae, self.text, degraded, clean, g, self.runtime((t, h, w))).float()
 

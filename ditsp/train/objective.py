@@ -53,7 +53,8 @@ def decode(vae: VideoVAE, z: torch.Tensor) -> torch.Tensor:
         return vae.run_decoder(z, Exec(), decoder_pieces(z.shape[2], None))
 
 
-def vae_loss(vae: VideoVAE, clean: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+def vae_loss(vae: VideoVAE, clean: torch.Tensor) -> torch.Tensor:
+    """Reconstruction of ``clean`` from its posterior mean (no draw: the loss is a function of the weights)."""
     post = posterior(vae, clean)
     recon = decode(vae, post.mean)
     target = to_unit(clean).to(recon.dtype)
