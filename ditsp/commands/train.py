@@ -29,8 +29,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (weights and optimizer stay fp32)")
     p.add_argument("--seed", type=int, default=0, help="data, noise and everything drawn: a run is a function of it")
-    p.add_argument("--frames", type=positive_int, default=5, help="frames per clip (4n + 1)")
-    p.add_argument("--size", default="32x32", metavar="WxH", help="clean clip size (multiples of 16)")
+    p.add_argument("--frames", type=positive_int, default=5, help="frames per clip (kn + 1, k the VAE's time factor)")
+    p.add_argument("--size", default="32x32", metavar="WxH[,WxH...]",
+                   help="clean clip size (multiples of the VAE's space factor x 2); several: taken in turn, step by step")
     p.add_argument("--sp", type=positive_int, default=1, help="SP degree: local ranks (under torchrun: the job's ranks)")
     p.add_argument("--path", default="window", choices=["window", "halo"], help="Plan A (window) or Plan B (halo)")
     p.add_argument("--planner", default="lpt", choices=["lpt", "locality"])
@@ -53,13 +54,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def config_of(args):
     from ..train.loop import TrainConfig
 
-    try:
-        w, h = (int(v) for v in args.size.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"--size must be WxH, got {args.size!r}") from None
+    sizes = []
+    for part in args.size.split(","):
+        try:
+            w, h = (int(v) for v in part.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--size must be WxH (or several, comma-separated), got {args.size!r}") from None
+        sizes.append((h, w))
     return TrainConfig(objective=args.objective, out=args.out, steps=args.steps, batch=args.batch, lr=args.lr,
                        weight_decay=args.weight_decay, clip=args.clip, bf16=args.bf16, seed=args.seed,
-                       frames=args.frames, size=(h, w), sp=args.sp, path=args.path, planner=args.planner,
+                       frames=args.frames, size=sizes[0] if len(sizes) == 1 else tuple(sizes), sp=args.sp, path=args.path, planner=args.planner,
                        model=args.model, dit=args.dit, vae=args.vae,
                        freeze=tuple(s for s in args.freeze.split(",") if s),
                        activation_checkpointing=args.activation_checkpointing, compile=args.compile,

@@ -9,8 +9,10 @@ bicubic upscale back to the clean size (the pipeline restores at the output
 size). Everything is a function of (seed, index): the same pair on every rank
 and on a resumed run.
 
-``chelsea`` (and its alias ``cat``) never enter training: they make the
-held-out clip (:func:`held_out_clip`).
+Two photographs never enter training: ``chelsea`` (and its alias ``cat``)
+makes the held-out clip (:func:`held_out_clip`), and matplotlib's
+``grace_hopper.jpg`` (a portrait) is the unseen photograph the restorer's
+benchmark also cuts a clip from.
 """
 
 from __future__ import annotations
@@ -24,18 +26,30 @@ import torch
 import torch.nn.functional as F
 import av
 
+# Every picture the installed packages ship for offline use: scikit-image's bundled data, and the photographs in
+# matplotlib's sample data (``mpl:<file>``), less the two held out.
 TRAIN_IMAGES = ("astronaut", "coffee", "rocket", "immunohistochemistry", "hubble_deep_field", "colorwheel",
-                "retina", "brick", "grass", "gravel", "camera", "coins", "moon", "clock", "horse")
+                "retina", "brick", "grass", "gravel", "camera", "coins", "moon", "clock", "horse", "cell", "page",
+                "text", "logo", "checkerboard", "mpl:Minduka_Present_Blue_Pack.png")
 HELD_OUT = "chelsea"
+UNSEEN = "mpl:grace_hopper.jpg"  # a photograph no training saw (the restorer's second test clip)
 
 
 def photograph(name: str) -> np.ndarray:
-    """A bundled scikit-image photograph as (H, W, 3) uint8 (grey replicated, alpha dropped)."""
-    import skimage.data  # local: a heavy optional package, loaded only when this runs
-
+    """A bundled photograph as (H, W, 3) uint8 (grey replicated, alpha dropped): a scikit-image data name, or
+    ``mpl:<file>`` from matplotlib's sample data."""
     if name in (HELD_OUT, "cat") and name != HELD_OUT:
         raise ValueError(f"{name!r} is the held-out image")
-    im = np.asarray(getattr(skimage.data, name)())
+    if name.startswith("mpl:"):
+        import matplotlib.cbook  # local: loaded only when this runs
+        from PIL import Image
+
+        with Image.open(matplotlib.cbook.get_sample_data(name[4:], asfileobj=False)) as f:
+            im = np.asarray(f.convert("RGB"))
+    else:
+        import skimage.data  # local: a heavy optional package, loaded only when this runs
+
+        im = np.asarray(getattr(skimage.data, name)())
     if im.dtype != np.uint8:
         im = (np.clip(im.astype(np.float64) / max(im.max(), 1), 0, 1) * 255).astype(np.uint8)
     if im.ndim == 2:
@@ -133,8 +147,12 @@ def degrade(clean: torch.Tensor, deg: Degradation, g: torch.Generator) -> torch.
 
 
 def pan_clip(image: np.ndarray, frames: int, size: tuple[int, int], g: torch.Generator,
-             max_step: int = 3, zoom: tuple[float, float] = (0.25, 1.0)) -> torch.Tensor:
-    """A (T, 3, h, w) clip in [0, 1]: a random crop of ``image`` panned by a random step per frame."""
+             max_step: int = 3, zoom: tuple[float, float] = (0.25, 1.0), zoom_drift: float = 0.0) -> torch.Tensor:
+    """A (T, 3, h, w) clip in [0, 1]: a random crop of ``image`` panned by a random step per frame.
+
+    ``zoom_drift`` > 0 also zooms over the clip: the crop's side changes by a factor drawn from
+    ``[1 - zoom_drift, 1 + zoom_drift]`` from the first frame to the last, about the crop's centre
+    (never below the output size, so every frame is a downscale)."""
     h, w = size
     H, W = image.shape[:2]
     z = zoom[0] + (zoom[1] - zoom[0]) * torch.rand((), generator=g).item()
@@ -144,20 +162,29 @@ def pan_clip(image: np.ndarray, frames: int, size: tuple[int, int], g: torch.Gen
     ch, cw = min(ch, H - span_y), min(cw, W - span_x)  # every frame's crop inside the photograph
     y0 = int(torch.randint(0, max(1, H - ch - span_y), (), generator=g)) + (span_y if dy < 0 else 0)
     x0 = int(torch.randint(0, max(1, W - cw - span_x), (), generator=g)) + (span_x if dx < 0 else 0)
+    drift = 1.0
+    if zoom_drift > 0:
+        drift = 1 - zoom_drift + 2 * zoom_drift * torch.rand((), generator=g).item()
     img = torch.from_numpy(image).permute(2, 0, 1).float() / 255
-    crops = [img[:, y0 + i * dy: y0 + i * dy + ch, x0 + i * dx: x0 + i * dx + cw] for i in range(frames)]
-    clip = torch.stack(crops)
-    return F.interpolate(clip, size=(h, w), mode="area") if (ch, cw) != (h, w) else clip
+    crops = []
+    for i in range(frames):
+        f = 1 + (drift - 1) * i / max(1, frames - 1)
+        fh, fw = max(h, min(ch, round(ch * f))), max(w, min(cw, round(cw * f)))  # zooming stays inside the crop
+        top, left = y0 + i * dy + (ch - fh) // 2, x0 + i * dx + (cw - fw) // 2
+        crop = img[:, top: top + fh, left: left + fw].unsqueeze(0)
+        crops.append(F.interpolate(crop, size=(h, w), mode="area")[0] if (fh, fw) != (h, w) else crop[0])
+    return torch.stack(crops)
 
 
 class ClipPairs:
     """Item ``i`` -> (degraded, clean), both (T, 3, H, W) in [0, 1], a pure function of (seed, i)."""
 
     def __init__(self, frames: int = 5, size: tuple[int, int] = (32, 32), seed: int = 0,
-                 degradation: Degradation = Degradation(), images=TRAIN_IMAGES):
-        if HELD_OUT in images or "cat" in images:
-            raise ValueError("the held-out image cannot be a training image")
+                 degradation: Degradation = Degradation(), images=TRAIN_IMAGES, zoom_drift: float = 0.15):
+        if HELD_OUT in images or "cat" in images or UNSEEN in images:
+            raise ValueError("a held-out image cannot be a training image")
         self.frames, self.size, self.seed, self.deg = frames, tuple(size), seed, degradation
+        self.zoom_drift = zoom_drift
         self.names = tuple(images)
         self._images: dict[str, np.ndarray] = {}
 
@@ -166,29 +193,33 @@ class ClipPairs:
             self._images[name] = photograph(name)
         return self._images[name]
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def item(self, i: int, size: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Item ``i`` at ``size`` (default: the dataset's)."""
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + int(i)) & ((1 << 62) - 1))
         name = self.names[int(torch.randint(0, len(self.names), (), generator=g))]
-        clean = pan_clip(self.image(name), self.frames, self.size, g)
+        clean = pan_clip(self.image(name), self.frames, tuple(size or self.size), g, zoom_drift=self.zoom_drift)
         if torch.rand((), generator=g).item() < 0.5:
             clean = clean.flip(-1)
         return degrade(clean, self.deg, g), clean
 
-    def batch(self, step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Items ``step*batch .. step*batch+batch-1`` stacked: (B, T, 3, H, W) each."""
-        pairs = [self[step * batch + j] for j in range(batch)]
+    __getitem__ = item
+
+    def batch(self, step: int, batch: int, size: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Items ``step*batch .. step*batch+batch-1`` stacked: (B, T, 3, H, W) each, at ``size``."""
+        pairs = [self.item(step * batch + j, size) for j in range(batch)]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
 
-def held_out_clip(frames: int, size: tuple[int, int], seed: int = 1234, degradation: Degradation = Degradation()
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(degraded at 1/scale size, clean) clip of the held-out photograph: the pipeline's input and reference.
+def held_out_clip(frames: int, size: tuple[int, int], seed: int = 1234, degradation: Degradation = Degradation(),
+                  image: str = HELD_OUT) -> tuple[torch.Tensor, torch.Tensor]:
+    """(degraded at 1/scale size, clean) clip of a held-out photograph: the pipeline's input and reference.
 
-    The degraded clip is returned at the low resolution (before the bicubic upscale), as a user's input."""
-    import skimage.data  # local: a heavy optional package, loaded only when this runs
-
+    ``image``: :data:`HELD_OUT` (the main job's clip) or :data:`UNSEEN`. The degraded clip is returned at
+    the low resolution (before the bicubic upscale), as a user's input."""
+    if image not in (HELD_OUT, UNSEEN):
+        raise ValueError(f"{image!r} is a training image; held out are {HELD_OUT!r} and {UNSEEN!r}")
     g = torch.Generator().manual_seed(seed)
-    clean = pan_clip(np.ascontiguousarray(skimage.data.chelsea()), frames, size, g, zoom=(0.6, 0.6))
+    clean = pan_clip(photograph(image), frames, size, g, zoom=(0.6, 0.6))
     h, w = size
     full = degrade(clean, degradation, g)  # the training chain, upscaled back; the input is its low-res form
     low = F.interpolate(full, size=(h // degradation.scale, w // degradation.scale), mode="area")

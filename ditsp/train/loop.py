@@ -52,7 +52,7 @@ class TrainConfig:
     bf16: bool = False
     seed: int = 0
     frames: int = 5
-    size: tuple = (32, 32)
+    size: tuple = (32, 32)  # clean clip (h, w), or several (h, w) taken in turn, step by step
     sp: int = 1
     path: str = "window"
     planner: str = "lpt"
@@ -79,11 +79,25 @@ class TrainConfig:
         for name in ("steps", "batch", "frames", "sp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if (self.frames - 1) % 4:
-            raise ValueError(f"a clip needs 4n + 1 frames, got {self.frames}")
-        if any(s % 16 for s in self.size):
-            raise ValueError(f"the clip size must be a multiple of 16, got {self.size}")
-        self.size, self.freeze = tuple(self.size), tuple(self.freeze)
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(sorted(MODELS))}")
+        vae = VAE_PRESETS[MODELS[self.model]]
+        if (self.frames - 1) % vae.temporal_factor:
+            raise ValueError(f"a clip of this model's VAE needs {vae.temporal_factor}n + 1 frames, got {self.frames}")
+        sizes = tuple(tuple(s) for s in self.size) if self.size and not isinstance(self.size[0], int) \
+            else (tuple(self.size),)
+        multiple = vae.spatial_factor * 2  # the VAE's space factor times the DiT's 2x2 patch
+        for s in sizes:
+            if len(s) != 2 or any(v < multiple or v % multiple for v in s):
+                raise ValueError(f"the clip size must be a multiple of {multiple} (this model's VAE and patch), "
+                                 f"got {s[::-1]} (WxH)")
+        self.size = sizes[0] if len(sizes) == 1 else sizes
+        self.freeze = tuple(self.freeze)
+
+    @property
+    def sizes(self) -> tuple[tuple[int, int], ...]:
+        """The clip sizes (h, w), taken in turn: step ``s`` uses ``sizes[s % len(sizes)]``."""
+        return (self.size,) if isinstance(self.size[0], int) else self.size
 
 
 def text_embedding(model: NaDiT, seed: int = 0) -> torch.Tensor:
@@ -137,10 +151,10 @@ class Trainer:
             compile_dit(self.dit)
             compile_vae(self.vae)
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.data = ClipPairs(cfg.frames, cfg.size, cfg.seed)
+        self.data = ClipPairs(cfg.frames, cfg.sizes[0], cfg.seed)
         self.text = text_embedding(self.dit)
         self.step, self.losses = 0, []
-        self._runtime = None
+        self._runtimes = {}
 
     @property
     def rank0(self) -> bool:
@@ -149,21 +163,22 @@ class Trainer:
     def runtime(self, latent_shape):
         if self.cfg.objective != "dit":
             return None
-        if self._runtime is None:
+        if latent_shape not in self._runtimes:
             grid = self.dit.grid_of(latent_shape)
             pc = ParallelConfig.window(self.comm.world_size, window_path=self.cfg.path,
                                        window_planner=self.cfg.planner if self.cfg.path == "window" else None,
                                        **({"deterministic": False} if self.cfg.compile else {}))
-            self._runtime = parallelize(self.dit.cfg, pc, grid, self.group)
-        return self._runtime
+            self._runtimes[latent_shape] = parallelize(self.dit.cfg, pc, grid, self.group)
+        return self._runtimes[latent_shape]
 
     def loss(self, step: int) -> torch.Tensor:
-        degraded, clean = self.data.batch(step, self.cfg.batch)
+        size = self.cfg.sizes[step % len(self.cfg.sizes)]
+        degraded, clean = self.data.batch(step, self.cfg.batch, size)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
             if self.cfg.objective == "vae":
                 return vae_loss(self.vae, clean).float()
             g = torch.Generator().manual_seed(self.cfg.seed * 7919 + step + 1)
-            t, h, w = self.vae.cfg.latent_shape(self.cfg.frames, *self.cfg.size)
+            t, h, w = self.vae.cfg.latent_shape(self.cfg.frames, *size)
             return dit_loss(self.dit, self.vae, self.text, degraded, clean, g, self.runtime((t, h, w))).float()
 
     def gradients(self, step: int) -> float:

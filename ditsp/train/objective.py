@@ -43,7 +43,7 @@ def posterior(vae: VideoVAE, frames: torch.Tensor) -> Posterior:
     """The VAE's posterior of (B, T, 3, H, W) frames, differentiable (plain kernel calls)."""
     x = to_unit(frames).to(vae.dtype)
     with use(FAST):
-        moments = vae.run_encoder(x, Exec(), encoder_pieces(x.shape[2], None))
+        moments = vae.run_encoder(x, Exec(), encoder_pieces(x.shape[2], None, vae.cfg.temporal_factor))
     return Posterior.from_moments(moments, vae.cfg.logvar_range)
 
 

@@ -77,4 +77,7 @@ class VaeConfig:
 RELEASED = VaeConfig()
 # The test vectors' VAE: released structure, widths 16/32/40/40 and 8 groups.
 TINY = VaeConfig(widths=(16, 32, 40, 40), groups=8)
-PRESETS = {"released": RELEASED, "tiny": TINY}
+# The small restorer's VAE (``--model tiny``): 4x space, no time compression (16 latent channels for 48 pixel
+# values), so that a network of a few million parameters trained on 2 CPU cores reconstructs well above bicubic.
+TINY_4X = VaeConfig(widths=(24, 48, 64), groups=8, temporal_down_blocks=(), temporal_up_blocks=())
+PRESETS = {"released": RELEASED, "tiny": TINY, "tiny-4x": TINY_4X}

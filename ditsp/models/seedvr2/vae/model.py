@@ -130,11 +130,11 @@ def time_pieces(T: int, first: int, step: int) -> list[tuple[int, int]]:
     return out
 
 
-def encoder_pieces(T: int, chunk: int | None) -> list[tuple[int, int]]:
+def encoder_pieces(T: int, chunk: int | None, temporal_factor: int) -> list[tuple[int, int]]:
     """Input-frame chunks holding ``chunk`` latent frames each (the first: frame 0 plus ``chunk`` more)."""
     if chunk is None or T <= 1:
         return [(0, T)]
-    return time_pieces(T, 1 + 4 * chunk, 4 * chunk)
+    return time_pieces(T, 1 + temporal_factor * chunk, temporal_factor * chunk)
 
 
 def decoder_pieces(t: int, chunk: int | None) -> list[tuple[int, int]]:
@@ -191,7 +191,7 @@ class VideoVAE(nn.Module):
         """Posterior of ``video`` (B, 3, T, H, W) or an image (B, 3, H, W), values in [-1, 1]."""
         image = video.dim() == 4
         x = check_video(video.unsqueeze(2) if image else video, self.cfg)
-        pieces = encoder_pieces(x.shape[2], chunk)
+        pieces = encoder_pieces(x.shape[2], chunk, self.cfg.temporal_factor)
         ex = Exec(carry={} if len(pieces) > 1 else None)
         moments = self.run_encoder(x.to(self.dtype), ex, pieces)
         return Posterior.from_moments(moments, self.cfg.logvar_range)

@@ -125,7 +125,7 @@ class ParallelVAE:
         comm, r, n = self.comm, self.comm.rank, self.comm.world_size
         layout = None
         if mode in ("replicated", "chunked"):
-            pieces = encoder_pieces(T, self.chunk if mode == "chunked" else None)
+            pieces = encoder_pieces(T, self.chunk if mode == "chunked" else None, self.cfg.temporal_factor)
             m = self.vae.run_encoder(x, Exec(carry={} if len(pieces) > 1 else None), pieces)
         elif mode == "time":
             tl = TimeLayout(t, n, self.cfg.temporal_factor)
@@ -137,7 +137,7 @@ class ParallelVAE:
             layout = SlabLayout(t, h, w, H, W, n)
             prow = layout.pixel_rows(self.cfg.spatial_factor)
             a, b = prow[r]
-            pieces = encoder_pieces(T, self.chunk if mode == "height+chunks" else None)
+            pieces = encoder_pieces(T, self.chunk if mode == "height+chunks" else None, self.cfg.temporal_factor)
             ex = Exec(comm, carry={} if len(pieces) > 1 else None)
             local = x[:, :, :, a:b]
             m = self.vae.run_encoder_rows(local, ex, pieces, prow, H)

@@ -78,7 +78,7 @@ def tiled_encode(vae, x: torch.Tensor, tile: int, overlap: int, chunk: int | Non
     s = cfg.spatial_factor
     T, H, W = x.shape[2:]
     t, h, w = cfg.latent_shape(T, H, W)
-    pieces = encoder_pieces(T, chunk)
+    pieces = encoder_pieces(T, chunk, cfg.temporal_factor)
 
     def run(r0, r1, c0, c1):
         crop = x[:, :, :, s * r0:(H if r1 == h else s * r1), s * c0:(W if c1 == w else s * c1)]
