@@ -45,7 +45,7 @@ def photograph(name: str) -> np.ndarray:
         from PIL import Image
 
         with Image.open(matplotlib.cbook.get_sample_data(name[4:], asfileobj=False)) as f:
-            im = np.asarray(f.convert("RGB"))
+            im = np.array(f.convert("RGB"))  # a writable copy
     else:
         import skimage.data  # local: a heavy optional package, loaded only when this runs
 
