@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from . import cpu_malloc
+from .cpu import malloc as cpu_malloc
 from .commands import COMMANDS
 
 

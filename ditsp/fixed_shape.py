@@ -47,7 +47,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from . import cpu_gemm
+from .cpu import gemm as cpu_gemm
 
 # Rows per GEMM tile: a multiple of every micro-kernel height we know of (4, 6, 8, 12, 16, 32, 64) so no
 # row of a tile falls in an edge micro-tile; chosen by `ditsp bench determinism` (cost vs one plain call).

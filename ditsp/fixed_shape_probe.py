@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import cpu_malloc
+from .cpu import malloc as cpu_malloc
 from .fixed_shape import DETERMINISTIC, FAST, linear_rows, use
 
 from .dtypes import DTYPES

@@ -9,7 +9,7 @@ import resource
 
 import torch
 
-from .cpu_malloc import libc, release_free_heap
+from .cpu.malloc import libc, release_free_heap
 
 
 class PeakMemory:

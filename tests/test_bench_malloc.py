@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ditsp import cpu_malloc
+from ditsp.cpu import malloc as cpu_malloc
 from ditsp.cli import main
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,4 +1,4 @@
-"""Float32 CPU linears through oneDNN (``ditsp/cpu_gemm.py``): the same values as ``F.linear`` within
+"""Float32 CPU linears through oneDNN (``ditsp/cpu/gemm.py``): the same values as ``F.linear`` within
 summation-order rounding, the BLAS kept where the route does not apply (autograd, bf16, the
 deterministic policy, ``DITSP_CPU_GEMM=blas``), and the compiled route."""
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ditsp import cpu_gemm, fixed_shape
+from ditsp import fixed_shape
+from ditsp.cpu import gemm as cpu_gemm
 
 onednn = pytest.mark.skipif(cpu_gemm.route() != "onednn", reason="this torch build has no oneDNN linear")
 
@@ -81,7 +82,7 @@ def test_compiled_code_calls_the_same_route():
 
 def _route_in_subprocess(value: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, DITSP_CPU_GEMM=value)
-    return subprocess.run([sys.executable, "-c", "from ditsp import cpu_gemm; print(cpu_gemm.route())"],
+    return subprocess.run([sys.executable, "-c", "from ditsp.cpu import gemm; print(gemm.route())"],
                           env=env, capture_output=True, text=True, timeout=120)
 
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ditsp import cpu_malloc
+from ditsp.cpu import malloc as cpu_malloc
 
 GLIBC = cpu_malloc.glibc_version() is not None
 needs_glibc = pytest.mark.skipif(not GLIBC, reason="GLIBC_TUNABLES is glibc's")
@@ -68,7 +68,7 @@ def test_no_glibc_means_nothing_to_set(monkeypatch):
 
 @needs_glibc
 def test_reexec_restarts_once_with_the_tunables():
-    code = ("import os, sys; from ditsp import cpu_malloc; print('start', flush=True); cpu_malloc.reexec(); "
+    code = ("import os, sys; from ditsp.cpu import malloc as cpu_malloc; print('start', flush=True); cpu_malloc.reexec(); "
             "print(os.environ.get('GLIBC_TUNABLES'), os.environ.get(cpu_malloc.APPLIED), sys.argv[1:])")
     out = subprocess.run([sys.executable, "-c", code, "a b", "c"], env=_env(), capture_output=True, text=True,
                          timeout=60, check=True).stdout.split("\n")

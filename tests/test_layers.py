@@ -20,7 +20,7 @@ LAYERS = (
     ("sp", "attention"),
     ("windows", "weights", "io"),
     ("distributed",),
-    ("config", "cpu_gemm", "cpu_malloc", "dtypes", "errors", "fixed_shape", "memory", "row_blocks", "scoped_env"),
+    ("config", "cpu", "dtypes", "errors", "fixed_shape", "memory", "row_blocks", "scoped_env"),
 )
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 COLLECTIVES = {

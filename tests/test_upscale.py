@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ditsp import cpu_malloc
+from ditsp.cpu import malloc as cpu_malloc
 from ditsp.cli import main
 from ditsp.io.testclip import make_test_clip
 from ditsp.io.probe import probe

@@ -480,7 +480,7 @@ def _ditsp_env(side: str) -> dict:
     """ditsp's process environment: its allocator policy's variables (``ditsp``) or none (``ditsp-system``)."""
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "DITSP_CPU_MALLOC")}
     if side == "ditsp":
-        from ditsp.cpu_malloc import rank_environment
+        from ditsp.cpu.malloc import rank_environment
 
         env.update(rank_environment(env))
     else:

@@ -200,7 +200,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def _allocator() -> str:
     """The CPU allocator policy the runs start under (they inherit this process's environment, and a run
     started outside the ``ditsp`` program applies the same policy when it starts)."""
-    from .. import cpu_malloc
+    from ..cpu import malloc as cpu_malloc
 
     name = cpu_malloc.policy()
     return name + ("" if name == "system" or cpu_malloc.tunables(name) else " (no effect here)")

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .. import cpu_malloc
+from ..cpu import malloc as cpu_malloc
 from ..argtypes import positive_int, positive_int_list
 from ..dtypes import DTYPES
 from . import declare

@@ -56,7 +56,7 @@ def _measure(fn) -> tuple[float, float, torch.Tensor]:
 def rank_speed(ctx, case: str, args: dict) -> dict:
     """One rank: build ``case``, compile it, run BLAS-eager, eager and compiled calls in turn; rank 0 keeps outputs."""
     from ..config import ParallelConfig
-    from ..cpu_gemm import use_route
+    from ..cpu.gemm import use_route
     from ..distributed.comm import Comm
     from ..fixed_shape import FAST, use
     from ..models.seedvr2.compiled import compile_dit, compile_vae, describe, stance

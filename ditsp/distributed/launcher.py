@@ -59,7 +59,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from .. import cpu_malloc
+from ..cpu import malloc as cpu_malloc
 from ..memory import check_local_ranks
 import ctypes
 from .heartbeat import install

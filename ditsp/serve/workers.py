@@ -41,7 +41,7 @@ from dataclasses import replace
 import torch
 import torch.multiprocessing as mp
 
-from .. import cpu_malloc
+from ..cpu import malloc as cpu_malloc
 from ..distributed.comm import Comm
 from ..models.meta import meta_device
 from ..distributed.elastic import STORE_PREFIX, ElasticGroup  # noqa: F401 - STORE_PREFIX re-exported

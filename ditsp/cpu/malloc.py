@@ -37,7 +37,7 @@ import functools
 import os
 import sys
 
-from .scoped_env import scoped_env
+from ..scoped_env import scoped_env
 
 ENV = "DITSP_CPU_MALLOC"
 POLICIES = ("reuse", "hugepages", "system")
