@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu import malloc as cpu_malloc
-from .fixed_shape import DETERMINISTIC, FAST, linear_rows, use
+from .fixed_shape import DEFAULT_DETERMINISTIC, DETERMINISTIC, FAST, SERVE_DETERMINISTIC, linear_rows, use
 
 from .dtypes import DTYPES
 from .attention.window import segment_attention
@@ -110,6 +110,11 @@ def probe(model: str = "seedvr2-3b", dtypes=("fp32", "bf16")) -> dict:
     return out
 
 
+# Where --deterministic is on without being asked for, from the one home of the defaults (ditsp.fixed_shape).
+_POLICY = "the default" if DEFAULT_DETERMINISTIC else (
+    "opt-in; the default of `ditsp serve` only" if SERVE_DETERMINISTIC else "opt-in")
+
+
 def format_probe(r: dict) -> str:
     lines = [f"ditsp doctor: {r['model']} shapes, {r['cpu']}, {r['threads']} thread(s)", "",
              f"{'call':<10} {'dtype':<5} {'shape':<26} {'fixed-shape calls':<18} {'cost':>6}  plain calls"]
@@ -123,7 +128,7 @@ def format_probe(r: dict) -> str:
                      f"({', '.join(map(str, bad[:8]))}{' ...' if len(bad) > 8 else ''})" if bad
                      else "rows did not depend on the row count here")
         lines.append(f"{c['kind']:<10} {c['dtype']:<5} {c['shape']:<26} {verdict:<18} {cost:>6}  {plain}")
-    lines += ["", ("the guarantee holds here: SP output = one device, bit for bit, with --deterministic (the default)"
+    lines += ["", (f"the guarantee holds here: SP output = one device, bit for bit, with --deterministic ({_POLICY})"
                    if r["holds"] else "the guarantee does NOT hold on these kernels: compare SP outputs within "
                    "tolerance (docs/determinism.md)"),
               "cost = deterministic / plain CPU time of that call alone (2048 rows; a 64x64 conv); "

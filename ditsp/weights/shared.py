@@ -38,7 +38,7 @@ from .formats import Checkpoint, FormatError, error_line, open_any
 from .stored import StoredTensor
 
 READS = ("every-rank", "one-reader")
-DEFAULT_READ = "every-rank"  # measured: benchmarks/results/weights_sp.md (see the README's weights section)
+DEFAULT_READ = "every-rank"  # measured: benchmarks/results/weights_sp.md (docs/performance.md, weights)
 READER = 0  # the group rank that opens the file in one-reader mode
 INLINE_BYTES = 1 << 10  # tensors up to this size travel inside the description (RoPE frequencies, FP8 scales)
 

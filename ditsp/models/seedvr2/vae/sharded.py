@@ -20,8 +20,9 @@ its slab):
 Ranks with nothing to hold (more ranks than latent rows or frames) still take part in every
 collective and produce empty pieces. Every entry point first makes the ranks agree on mode,
 shapes, dtype and chunking (:func:`ditsp.distributed.agree.agree`), so a mismatch raises on every rank
-instead of hanging. ``mode="auto"`` picks, identically on every rank, the cheapest mode whose
-modelled per-rank memory (:mod:`.memory`) fits the budget.
+instead of hanging. ``mode="auto"`` picks, identically on every rank, the first exact mode of
+:data:`.modes.AUTO_ORDER` whose modelled per-rank memory (:mod:`.memory`) fits the budget (on one
+device skipping the modes that split across ranks), ``tiled`` only when none does.
 
 Slab ownership for the hand-off to the DiT: after ``encode(..., keep_sharded=True)`` rank r holds
 the latent rows ``layout.rank_rows(r) = (t0, t1, h0, h1)`` (all columns) in canonical latent
