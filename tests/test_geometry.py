@@ -20,7 +20,7 @@ def _cuts(windows, axis):
     return sorted({w[axis].start for w in windows} | {w[axis].stop for w in windows})
 
 
-# seedvr2-facts.md section 2, worked examples: grid, window size, regular count, shifted count
+# The reference's own worked examples (its window rule: docs/seedvr2.md): grid, window size, regular count, shifted count
 WORKED = [
     ((21, 45, 80), (6, 15, 27), 36, 64),
     ((21, 90, 160), (6, 15, 27), 144, 196),
