@@ -75,7 +75,9 @@ test-bitwise: $(STAMP)
 	env $(KERNELS_AVX2) $(BITWISE)
 	env $(KERNELS_COMPAT) $(BITWISE)
 
-# Benchmarks (minutes, not part of the tests): tables and plots under benchmarks/results.
+# Benchmarks (minutes, not part of the tests): tables and plots under benchmarks/results. They run under
+# the CPU allocator policy their figures were measured with (docs/configuration.md: DITSP_CPU_MALLOC_RESTART).
+bench: export DITSP_CPU_MALLOC_RESTART = 1
 bench: $(STAMP)
 	$(BIN)/ditsp bench forward
 	$(BIN)/ditsp bench attention --sp 4 --seq 4096 --heads 8 --head-dim 64 | tee benchmarks/results/attention.txt

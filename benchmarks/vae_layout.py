@@ -64,7 +64,8 @@ def per_conv(dtype: torch.dtype, repeats: int) -> list[dict]:
 
 def whole(dtype: torch.dtype, clip, repeats: int) -> dict:
     from ditsp.fixed_shape import FAST, use
-    from ditsp.models.seedvr2.vae import RELEASED, channels_last
+    from ditsp.cpu import settings as cpu_settings
+    from ditsp.models.seedvr2.vae import RELEASED
     from ditsp.models.seedvr2.vae.fixtures import seeded_vae
     from ditsp.models.seedvr2.vae.sharded import ParallelVAE
 
@@ -79,13 +80,12 @@ def whole(dtype: torch.dtype, clip, repeats: int) -> dict:
         pv.decode(z, mode="chunked")
         for r in range(repeats):
             for k in (("contiguous", "channels_last") if r % 2 == 0 else ("channels_last", "contiguous")):
-                channels_last.ENABLED = k == "channels_last"
-                te, zz = _cpu(lambda: pv.encode(x, mode="chunked").posterior.mean)
-                td, y = _cpu(lambda: pv.decode(z, mode="chunked"))
+                with cpu_settings.use(vae_channels_last=k == "channels_last"):
+                    te, zz = _cpu(lambda: pv.encode(x, mode="chunked").posterior.mean)
+                    td, y = _cpu(lambda: pv.decode(z, mode="chunked"))
                 times[k]["encode"].append(te)
                 times[k]["decode"].append(td)
                 outs[k] = (zz.float(), y.float())
-        channels_last.ENABLED = True
 
     def rel(a, b):
         return float((a - b).abs().max() / b.abs().max())

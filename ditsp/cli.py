@@ -11,6 +11,7 @@ import sys
 import threading
 
 from .cpu import malloc as cpu_malloc
+from .cpu import settings as cpu_settings
 from .commands import COMMANDS
 
 
@@ -44,14 +45,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None = None) -> None:
-    """The `ditsp` program: started again under the CPU allocator policy (:mod:`ditsp.cpu_malloc`)
-    when the command line is this process's own, then :func:`main`, then :func:`fast_exit` with its code."""
-    if argv is None:
-        try:
-            cpu_malloc.reexec()
-        except ValueError as e:  # an unknown DITSP_CPU_MALLOC
-            print(f"ditsp: {e}", file=sys.stderr)
-            fast_exit(2)
+    """The `ditsp` program: the CPU settings read (:mod:`ditsp.cpu.settings`; a bad value is one line and
+    code 2), started again under the CPU allocator policy only when ``malloc_restart`` asks for it and the
+    command line is this process's own, then :func:`main`, then :func:`fast_exit` with its code."""
+    try:
+        restart = cpu_settings.process().malloc_restart
+    except ValueError as e:  # a CPU setting's environment variable holds no valid value
+        print(f"ditsp: {e}", file=sys.stderr)
+        fast_exit(2)
+    if argv is None and restart:
+        cpu_malloc.reexec()
     fast_exit(main(argv))
 
 

@@ -49,6 +49,9 @@ class ParallelConfig:
       reads ``DITSP_A2A_LONG_TRAINING`` (default ``auto``).
     - ``a2a_capacity_bytes``: per-rank transport staging capacity; ``None`` reads
       ``DITSP_A2A_CAPACITY_BYTES`` (default 1 GiB).
+    - ``a2a_agree``: when the ranks agree on an all-to-all's plan: ``key`` once per caller key (cached),
+      ``every`` before every call (a check that costs one small all-gather per call); ``None`` reads
+      ``DITSP_A2A_AGREE`` (default ``key``).
 
     The ``a2a_*`` fields were ``ulysses_a2a`` / ``ulysses_a2a_long_training`` (environment
     ``DITSP_ULYSSES_A2A*``) before they named the policy of every all-to-all; the vllm-omni-compatible
@@ -73,6 +76,7 @@ class ParallelConfig:
     a2a_policy: str | None = None
     a2a_long_training: str | None = None
     a2a_capacity_bytes: int | None = None
+    a2a_agree: str | None = None
     deterministic: bool = DEFAULT_DETERMINISTIC
     cfg_degree: int = 1
 
@@ -84,7 +88,7 @@ class ParallelConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ParallelConfigError(f"{name} must be a positive integer, got {v!r}")
         for name, valid in (("a2a_policy", ("off", "auto", "chunked")),
-                            ("a2a_long_training", ("auto", "chunked"))):
+                            ("a2a_long_training", ("auto", "chunked")), ("a2a_agree", ("key", "every"))):
             v = getattr(self, name)
             if v is not None and v not in valid:
                 raise ParallelConfigError(f"{name} must be one of {', '.join(valid)} (or None), got {v!r}")

@@ -1,6 +1,6 @@
-"""The CPU allocator policy: parsed as documented, applied by one restart of the program, inherited by
-spawned ranks, and doing what it says to the page faults of a big buffer allocated twice and to the
-heap of a loop of buffers."""
+"""The CPU allocator policy: parsed as documented, applied by one restart of the program when asked (never
+by default), inherited by spawned ranks, and doing what it says to the page faults of a big buffer
+allocated twice and to the heap of a loop of buffers."""
 
 from __future__ import annotations
 
@@ -12,14 +12,16 @@ import sys
 import pytest
 
 from ditsp.cpu import malloc as cpu_malloc
+from ditsp.cpu import settings as cpu_settings
 
+RESTART = cpu_settings.ENV["malloc_restart"]
 GLIBC = cpu_malloc.glibc_version() is not None
 needs_glibc = pytest.mark.skipif(not GLIBC, reason="GLIBC_TUNABLES is glibc's")
 
 
 def _env(**extra) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("GLIBC_TUNABLES", cpu_malloc.ENV, cpu_malloc.APPLIED)}
+           if k not in ("GLIBC_TUNABLES", cpu_malloc.ENV, cpu_malloc.APPLIED, RESTART)}
     env.update(extra)
     return env
 
@@ -27,8 +29,7 @@ def _env(**extra) -> dict[str, str]:
 def test_policy_default_case_and_unknown():
     assert cpu_malloc.policy({}) == cpu_malloc.DEFAULT == "reuse"
     assert cpu_malloc.policy({cpu_malloc.ENV: " System "}) == "system"
-    with pytest.raises(ValueError, match=r"DITSP_CPU_MALLOC='huge' is not a policy: choose one of reuse, hugepages, "
-                                         r"system"):
+    with pytest.raises(ValueError, match=r"DITSP_CPU_MALLOC='huge': expected one of reuse, hugepages, system"):
         cpu_malloc.policy({cpu_malloc.ENV: "huge"})
 
 
@@ -83,7 +84,30 @@ def test_the_program_rejects_an_unknown_policy_in_one_line():
     r = subprocess.run([sys.executable, "-m", "ditsp.cli", "doctor"], env=_env(**{cpu_malloc.ENV: "fast"}),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
-    assert r.stderr == "ditsp: DITSP_CPU_MALLOC='fast' is not a policy: choose one of reuse, hugepages, system\n"
+    assert r.stderr == "ditsp: DITSP_CPU_MALLOC='fast': expected one of reuse, hugepages, system\n"
+
+
+# The `ditsp` program with its command replaced by a print of whether this process is a restart.
+_PROGRAM = ("import os; print('start', flush=True); from ditsp import cli; "
+            "cli.main = lambda argv=None: print(os.environ.get('DITSP_CPU_MALLOC_APPLIED')) or 0; cli.run()")
+
+
+def _program(**env) -> list[str]:
+    r = subprocess.run([sys.executable, "-c", _PROGRAM, "x"], env=_env(**env), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+def test_the_program_runs_as_started_unless_the_restart_is_asked_for():
+    assert _program() == ["start", "None"]  # the default: no restart, whatever the policy needs
+    assert _program(**{RESTART: "0"}) == ["start", "None"]
+    if cpu_malloc.tunables(cpu_malloc.DEFAULT):
+        assert _program(**{RESTART: "1"}) == ["start", "start", "1"]  # started again once, under the policy
+    assert _program(**{RESTART: "1", cpu_malloc.ENV: "system"}) == ["start", "None"]  # nothing to apply
+    r = subprocess.run([sys.executable, "-c", _PROGRAM], env=_env(**{RESTART: "yes"}), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr == "ditsp: DITSP_CPU_MALLOC_RESTART='yes': expected one of 1, 0\n"
 
 
 def _tunables_of_rank(ctx):

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ditsp.cpu import settings as cpu_settings
 from ditsp.distributed import shm_gather
 from ditsp.distributed.comm import Comm
 
@@ -77,15 +78,12 @@ def test_a_slot_grows_for_a_bigger_payload_and_gloo_takes_what_is_over_the_cap(c
 
 
 def rank_disagrees(ctx):
-    os.environ[shm_gather.ENV] = "0" if ctx.rank == 1 else "1"
-    try:
+    with cpu_settings.use(shm_collectives=ctx.rank != 1):
         group = dist.new_group(list(range(ctx.world_size)))
         gather = shm_gather.open_for(group)
         comm = Comm(group)
         for _ in range(shm_gather.AFTER_CALLS + 1):
             outs = comm.all_gather_rows(torch.full((1,), float(ctx.rank)), [1] * ctx.world_size)
-    finally:
-        del os.environ[shm_gather.ENV]
     return gather is None and comm._shm is False, [float(o) for o in outs]
 
 
@@ -145,12 +143,3 @@ def rank_one_off_calls(ctx):
 
 def test_a_comm_of_few_all_gathers_sets_nothing_up(clusters):
     assert all(clusters(2).run(rank_one_off_calls))
-
-
-def test_the_setting_is_checked():
-    os.environ[shm_gather.ENV] = "yes"
-    try:
-        with pytest.raises(ValueError, match="DITSP_SHM_COLLECTIVES='yes'"):
-            shm_gather.enabled()
-    finally:
-        del os.environ[shm_gather.ENV]

@@ -200,7 +200,7 @@ def test_env_vs_config_precedence():
     env = {tp.ENV_POLICY: "chunked", tp.ENV_LONG: "chunked", tp.ENV_CAPACITY: "4096"}
     s = tp.TransportSettings.resolve(None, env)
     assert (s.policy, s.long_training, s.capacity_bytes) == ("chunked", "chunked", 4096)
-    assert dict(s.sources) == {"policy": "env", "long_training": "env", "capacity_bytes": "env"}
+    assert dict(s.sources) == {"policy": "env", "long_training": "env", "capacity_bytes": "env", "agree": "default"}
     cfg = ParallelConfig(a2a_policy="off", a2a_capacity_bytes=123)
     s = tp.TransportSettings.resolve(cfg, env)
     assert (s.policy, s.long_training, s.capacity_bytes) == ("off", "chunked", 123)

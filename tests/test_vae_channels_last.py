@@ -49,7 +49,7 @@ def _layouts(vae):
 
 
 def _run(vae, x, chunk, enabled, monkeypatch):
-    monkeypatch.setattr(channels_last, "ENABLED", enabled)
+    monkeypatch.setattr(channels_last, "enabled", lambda enabled=enabled: enabled)
     z = vae.encode(x, chunk=chunk).mean
     return z, vae.decode(z, chunk=chunk)
 
@@ -98,7 +98,7 @@ def test_bf16_channels_last_error_is_the_contiguous_layouts(monkeypatch):
         vae = _vae(torch.bfloat16)
         errs = {}
         for enabled in (False, True):
-            monkeypatch.setattr(channels_last, "ENABLED", enabled)
+            monkeypatch.setattr(channels_last, "enabled", lambda enabled=enabled: enabled)
             errs[enabled] = (rel(vae.encode(x).mean, z64), rel(vae.decode(z64.bfloat16()), y64))
     for plain, last in zip(errs[False], errs[True]):
         assert 0 < last < 1.5 * plain + 1e-3, errs
@@ -106,7 +106,7 @@ def test_bf16_channels_last_error_is_the_contiguous_layouts(monkeypatch):
 
 def test_deterministic_policy_stays_contiguous(monkeypatch):
     vae, x = _vae(), _clip()
-    monkeypatch.setattr(channels_last, "ENABLED", True)
+    monkeypatch.setattr(channels_last, "enabled", lambda: True)
     seen, handles = _layouts(vae)
     with use(DETERMINISTIC):
         vae.decode(vae.encode(x).mean)
@@ -167,7 +167,7 @@ def sharded_fast(ctx, modes):
 def test_sharded_modes_channels_last_match_one_device(clusters, world, monkeypatch):
     """Time split (with a rank holding one latent frame at 3), height slabs and slabs in chunks, all in
     the channels-last layout, against one device in the contiguous layout."""
-    monkeypatch.setattr(channels_last, "ENABLED", False)
+    monkeypatch.setattr(channels_last, "enabled", lambda: False)
     pv = ParallelVAE(_vae(), None)
     with use(FAST), torch.no_grad():
         z = pv.encode(_clip(9, 40, 24), mode="replicated").posterior.mean

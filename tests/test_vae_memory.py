@@ -132,7 +132,7 @@ def test_winograd_filters_counted_only_where_they_are_built(monkeypatch):
     monkeypatch.delenv(winograd.ENV, raising=False)
     assert counts_winograd("cpu", deterministic=False)
     assert not counts_winograd("cpu", deterministic=True) and not counts_winograd("cuda", deterministic=False)
-    monkeypatch.setenv(winograd.ENV, "0")
+    monkeypatch.setattr(winograd, "enabled", lambda: False)
     assert not counts_winograd("cpu", deterministic=False)
     plain = job_estimate("seedvr2-3b", "fp32", 17, (256, 256), 1, "chunked")
     with_filters = job_estimate("seedvr2-3b", "fp32", 17, (256, 256), 1, "chunked", winograd_filters=True)
@@ -155,7 +155,7 @@ def test_the_backend_says_whether_convs_reorder_through_a_buffer(monkeypatch):
     with pytest.raises(ValueError, match="backend must be one of"):
         estimate(TINY, "decode", shape, 1, "chunked", backend="gpu")
     assert (backend_of("cpu", False), backend_of("cpu", True), backend_of("cuda", False)) == ("cpu", "cpu-deterministic", "cuda")
-    monkeypatch.setattr(channels_last, "ENABLED", False)
+    monkeypatch.setattr(channels_last, "enabled", lambda: False)
     assert backend_of("cpu", False) == "cpu-deterministic"
 
 

@@ -1,17 +1,17 @@
 """Winograd F(4x4, 3x3) for the VAE's 3x3x3 convs (ditsp/models/seedvr2/vae/winograd.py): its error against
-float64, when it runs (fast policy, float32 CPU inference, wide convs, the env switch) and when it must not
+float64, when it runs (fast policy, float32 CPU inference, wide convs, the switch) and when it must not
 (deterministic policy, bf16, autograd), its filter cache, and a whole VAE with it against without it."""
 
 from __future__ import annotations
 
 import copy
-import os
 import pickle
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from ditsp.cpu import settings as cpu_settings
 from ditsp.distributed.comm import Comm
 from ditsp.fixed_shape import DETERMINISTIC, FAST, use
 from ditsp.models.seedvr2.vae import TINY, winograd
@@ -52,7 +52,6 @@ def everywhere(monkeypatch):
     monkeypatch.setattr(winograd, "MIN_COUT", 1)
     monkeypatch.setattr(winograd, "BUILD_PIXELS", 0)  # transform on the first call, however small
     monkeypatch.setattr(winograd, "BUILD_PIXELS_BF16", 0)
-    monkeypatch.delenv(winograd.ENV, raising=False)
 
 
 @pytest.fixture
@@ -205,20 +204,16 @@ def test_bf16_conv_is_computed_in_float32(monkeypatch):
     assert (wino != rounded).double().mean() <= 2 * (direct != rounded).double().mean() + 0.005
 
 
-def test_env_switch(everywhere, calls, monkeypatch):
+def test_the_switch(everywhere, calls):
     conv = CausalConv3d(16, 16)
     x = torch.randn(1, 16, 3, 8, 8)
     with use(FAST), torch.no_grad():
-        monkeypatch.setenv(winograd.ENV, "0")
-        off = conv.apply(x)
+        with cpu_settings.use(vae_winograd=False):
+            off = conv.apply(x)
         assert not calls
-        monkeypatch.setenv(winograd.ENV, "1")
-        on = conv.apply(x)
+        with cpu_settings.use(vae_winograd=True):
+            on = conv.apply(x)
         assert len(calls) == 1
-        monkeypatch.setenv(winograd.ENV, "yes")
-        with pytest.raises(ValueError, match=winograd.ENV):
-            conv.apply(x)
-    assert set(winograd.SETTINGS) == {"0", "1"}
     assert rel(on, off.double()) < WINO_REL
 
 
@@ -272,15 +267,14 @@ def test_small_convs_run_direct_until_their_calls_pay_for_the_transform(everywhe
     assert rel(third, first.double()) < WINO_REL
 
 
-def test_whole_vae_with_and_without_winograd(everywhere, calls, monkeypatch):
+def test_whole_vae_with_and_without_winograd(everywhere, calls):
     """Encode then decode a clip of a small VAE whose every 3x3x3 conv takes Winograd, against direct convs."""
     vae = seeded_vae(TINY.with_widths((32, 64, 64, 64), groups=8))
     pv = ParallelVAE(vae, None)
     x = torch.rand(1, 3, 5, 40, 24, generator=torch.Generator().manual_seed(1)) * 2 - 1
     out = {}
     for flag in ("0", "1"):
-        monkeypatch.setenv(winograd.ENV, flag)
-        with use(FAST), torch.no_grad():
+        with cpu_settings.use(vae_winograd=flag == "1"), use(FAST), torch.no_grad():
             z = pv.encode(x).posterior.mean
             out[flag] = (z, pv.decode(z))
     assert len(calls) > 20  # every 3x3x3 stride-1 conv of encode and decode
@@ -300,24 +294,21 @@ def _clip():
 def height_slabs_with_winograd(ctx):
     """A rank: the small VAE in height slabs, fast policy, Winograd for every 3x3x3 conv (each slab's own tiles)."""
     torch.set_num_threads(1)
-    saved = winograd.RULES, winograd.MIN_COUT, winograd.BUILD_PIXELS, os.environ.pop(winograd.ENV, None)
+    saved = winograd.RULES, winograd.MIN_COUT, winograd.BUILD_PIXELS
     winograd.RULES, winograd.MIN_COUT, winograd.BUILD_PIXELS = ((1, 1, 1),), 1, 0
     try:
         pv = ParallelVAE(_small_vae(), Comm(ctx.group))
-        with use(FAST), torch.no_grad():
+        with cpu_settings.use(vae_winograd=True), use(FAST), torch.no_grad():
             z = pv.encode(_clip(), mode="height").posterior.mean
             return z, pv.decode(z, mode="height")
     finally:  # pool ranks outlive the test
-        winograd.RULES, winograd.MIN_COUT, winograd.BUILD_PIXELS = saved[:3]
-        if saved[3] is not None:
-            os.environ[winograd.ENV] = saved[3]
+        winograd.RULES, winograd.MIN_COUT, winograd.BUILD_PIXELS = saved
 
 
-def test_height_slabs_with_winograd_match_one_device_direct(clusters, monkeypatch):
+def test_height_slabs_with_winograd_match_one_device_direct(clusters):
     """SP=2 height slabs tile each slab from its own first row: within the whole-VAE tolerance of one device."""
-    monkeypatch.setenv(winograd.ENV, "0")
     pv = ParallelVAE(_small_vae(), None)
-    with use(FAST), torch.no_grad():
+    with cpu_settings.use(vae_winograd=False), use(FAST), torch.no_grad():
         z = pv.encode(_clip(), mode="replicated").posterior.mean
         ref = (z, pv.decode(z, mode="replicated"))
     z2, dec2 = clusters(2).run(height_slabs_with_winograd)[0]

@@ -40,7 +40,7 @@ PHASES = ("start", "weights", "restore", "finish")
 PHASE_LABELS = {"start": "start: launch to every rank running (imports, spawn, group)",
                 "weights": "weights load", "restore": "restoration (stages and between)",
                 "finish": "finish: results back, exit"}
-_CLI = "from ditsp.cli import run; run()"  # as the `ditsp` program does (its allocator restart included)
+_CLI = "from ditsp.cli import run; run()"  # as the `ditsp` program does
 
 
 def _upscale(argv: list[str], timeout_s: float) -> tuple[dict, float, float]:
@@ -52,13 +52,16 @@ def _upscale_at_once(argvs: list[list[str]], timeout_s: float) -> list[tuple[dic
     """``ditsp upscale ... --json`` for each of ``argvs``, all started together, each in a fresh process:
     per process (report, wall s to its own exit, CPU s of it and its ranks). A process past ``timeout_s``
     is killed with the rest and raises; one that fails raises with its last line."""
+    from ..cpu import malloc as cpu_malloc
+
+    env = dict(os.environ, **cpu_malloc.rank_environment())  # each run starts under the allocator policy
     with tempfile.TemporaryDirectory(prefix="ditsp-bench-run-") as logs:
         procs, t0, launched = [], time.perf_counter(), time.time()
         try:
             for i, argv in enumerate(argvs):
                 with open(os.path.join(logs, f"{i}.out"), "w") as out, open(os.path.join(logs, f"{i}.err"), "w") as err:
                     procs.append(subprocess.Popen([sys.executable, "-c", _CLI, "upscale", *argv, "--json"],
-                                                  stdout=out, stderr=err, text=True))
+                                                  stdout=out, stderr=err, text=True, env=env))
             ended: dict[int, tuple[int, float, float]] = {}
             while len(ended) < len(procs):
                 for i, proc in enumerate(procs):
@@ -198,8 +201,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _allocator() -> str:
-    """The CPU allocator policy the runs start under (they inherit this process's environment, and a run
-    started outside the ``ditsp`` program applies the same policy when it starts)."""
+    """The CPU allocator policy the runs start under (each is started with its variables)."""
     from ..cpu import malloc as cpu_malloc
 
     name = cpu_malloc.policy()

@@ -1,7 +1,7 @@
 """The VAE's Winograd convs (:mod:`ditsp.models.seedvr2.vae.winograd`) against direct oneDNN convs, one CPU thread.
 
 The released-width VAE (seeded weights) encodes then decodes a ``--clip`` T,H,W float32 clip under the
-fast kernel policy, with ``DITSP_VAE_WINOGRAD`` 0 and 1 alternating in one process (``--repeats``
+fast kernel policy, with the ``vae_winograd`` setting off and on alternating in one process (``--repeats``
 rounds after warm-up runs): process CPU seconds, the minimum per side, their ratio, and the largest
 difference of the latent mean and of the decoded clip relative to the direct run's scale. The warm-up
 Winograd runs are timed apart from the steady state: they transform and pack the filters, each conv
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -48,6 +47,7 @@ def measure(clip, repeats: int, widths=None, shapes: bool = True, max_warm: int 
     """Whole-VAE and per-shape timings (see the module docstring); ``widths``: other than the released ones."""
     import torch.nn.functional as F
 
+    from ..cpu import settings as cpu_settings
     from ..fixed_shape import FAST, use
     from ..models.seedvr2.vae import RELEASED, channels_last, winograd
     from ..models.seedvr2.vae.fixtures import seeded_vae
@@ -71,8 +71,7 @@ def measure(clip, repeats: int, widths=None, shapes: bool = True, max_warm: int 
     modes = set()
 
     def run(flag: str):
-        os.environ[winograd.ENV] = flag
-        with use(FAST), torch.no_grad():
+        with cpu_settings.use(vae_winograd=flag == "1"), use(FAST), torch.no_grad():
             enc = pv.encode(x, vae_mode)
             modes.add(enc.mode)
             return enc.posterior.mean, pv.decode(enc.posterior.mean, vae_mode)
@@ -85,29 +84,22 @@ def measure(clip, repeats: int, widths=None, shapes: bool = True, max_warm: int 
     def pending() -> bool:  # a conv still running direct until its calls pay for its filters
         return any(c.seen is not None and (c.filters is None or c.key != c.seen) for c in caches)
 
-    before = os.environ.get(winograd.ENV)
-    try:
-        direct_first, _ = _cpu(lambda: run("0"))
-        winograd.conv3d = spy
-        warm = []
-        try:  # Winograd runs until every conv that qualifies has built its filters (once its calls paid for it)
-            while len(warm) < max_warm and (not warm or pending()):
-                seen.clear()
-                warm.append(_cpu(lambda: run("1"))[0])
-        finally:
-            winograd.conv3d = real
-        calls = dict(seen)
-        times = {"0": [], "1": []}
-        outs = {}
-        for r in range(repeats):
-            for flag in (("0", "1") if r % 2 == 0 else ("1", "0")):
-                t, outs[flag] = _cpu(lambda: run(flag))
-                times[flag].append(t)
+    direct_first, _ = _cpu(lambda: run("0"))
+    winograd.conv3d = spy
+    warm = []
+    try:  # Winograd runs until every conv that qualifies has built its filters (once its calls paid for it)
+        while len(warm) < max_warm and (not warm or pending()):
+            seen.clear()
+            warm.append(_cpu(lambda: run("1"))[0])
     finally:
-        if before is None:
-            os.environ.pop(winograd.ENV, None)
-        else:
-            os.environ[winograd.ENV] = before
+        winograd.conv3d = real
+    calls = dict(seen)
+    times = {"0": [], "1": []}
+    outs = {}
+    for r in range(repeats):
+        for flag in (("0", "1") if r % 2 == 0 else ("1", "0")):
+            t, outs[flag] = _cpu(lambda: run(flag))
+            times[flag].append(t)
     direct, wino = min(times["0"]), min(times["1"])
     cache_bytes = sum(16 * m.weight.numel() for m in built())  # 36 float32 positions per 9 taps of each filter
     whole = {"clip": list(clip), "widths": list(cfg.widths), "dtype": dtype, "vae_mode": "/".join(sorted(modes)),

@@ -14,30 +14,22 @@ Both kernel policies take it: the fast policy's plain calls and the
 deterministic policy's fixed-shape tiles (:mod:`ditsp.fixed_shape`; a 768-row
 oneDNN call is position-free under the AVX-512 and AVX2 kernel sets, which
 ``ditsp doctor`` probes on any machine). Results differ from the BLAS's in
-summation order only (about 5e-7 of the output's scale). ``DITSP_CPU_GEMM=blas``
-turns the route off; a call oneDNN refuses runs on the BLAS (which raises
-``F.linear``'s own error for operands that do not fit).
+summation order only (about 5e-7 of the output's scale). The route is the
+``gemm`` field of :class:`~ditsp.cpu.settings.CpuSettings`: ``DITSP_CPU_GEMM=blas``
+turns it off for a process (read when this module is imported), :func:`use_route`
+for a block; a call oneDNN refuses runs on the BLAS (which raises ``F.linear``'s
+own error for operands that do not fit).
 """
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
-ROUTES = ("onednn", "blas")
-ENV = "DITSP_CPU_GEMM"
-
-
-def _route_from_env() -> str:
-    route = os.environ.get(ENV, "onednn").strip().lower() or "onednn"
-    if route not in ROUTES:
-        raise ValueError(f"{ENV}={route!r}: expected one of {', '.join(ROUTES)}")
-    return route
+from . import settings
 
 
 def _onednn_op():
@@ -46,30 +38,24 @@ def _onednn_op():
     return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 
 
-_op = _onednn_op() if _route_from_env() == "onednn" else None
-
-
-# A forward's own choice (``ditsp bench speed`` runs both routes in one process); None: the process's.
-_chosen: ContextVar[str | None] = ContextVar("ditsp_cpu_gemm_route", default=None)
+_op = _onednn_op() if settings.process().gemm == "onednn" else None
 
 
 def route() -> str:
     """The route float32 CPU linears take here: ``onednn`` or ``blas``."""
     if _op is None:
         return "blas"
-    return _chosen.get() or "onednn"
+    return settings.current().gemm
 
 
 @contextmanager
 def use_route(name: str) -> Iterator[str]:
-    """Run the block's eager float32 CPU linears on ``name`` (``blas`` or ``onednn``, where available)."""
-    if name not in ROUTES:
-        raise ValueError(f"unknown GEMM route {name!r}; expected one of {', '.join(ROUTES)}")
-    token = _chosen.set(name)
-    try:
+    """Run the block's eager float32 CPU linears on ``name`` (``blas`` or ``onednn``, where available);
+    ``ditsp bench speed`` runs both routes in one process."""
+    if name not in settings.GEMM_ROUTES:
+        raise ValueError(f"unknown GEMM route {name!r}; expected one of {', '.join(settings.GEMM_ROUTES)}")
+    with settings.use(gemm=name):
         yield route()
-    finally:
-        _chosen.reset(token)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -1,4 +1,4 @@
-"""How the C allocator serves torch's big CPU buffers: the ``DITSP_CPU_MALLOC`` policy.
+"""How the C allocator serves torch's big CPU buffers: the ``malloc`` policy of :class:`~.settings.CpuSettings`.
 
 torch's CPU tensors come from glibc's ``malloc``, which maps every block over 32 MiB afresh with ``mmap``
 and unmaps it on free. A VAE or DiT activation of that size is then faulted in on every call, and the
@@ -8,9 +8,11 @@ clearing, twice one device's share, because a rank's height slab makes fewer, bi
 device's frame chunks, which stay under the threshold and are reused.
 
 glibc reads its settings (``GLIBC_TUNABLES``) once, when a process starts, so a policy is applied by
-starting the process with them: the ``ditsp`` program re-executes itself once (:func:`reexec`, before
-it imports torch), and the ranks it starts inherit the setting; :func:`for_new_processes` does the same
-for the ranks and server workers a library user's process spawns. The policies:
+starting the process with them: the spawned ranks and server workers of ditsp's launcher and server start
+under it (:func:`for_new_processes`); forked ranks share the parent's. The ``ditsp`` program itself runs
+as it was started, unless ``DITSP_CPU_MALLOC_RESTART=1`` (the ``malloc_restart`` field) has it start
+itself again once under the policy (:func:`reexec`, before it imports torch), or it is started with the
+variables :func:`rank_environment` names (``python -m ditsp.cpu.malloc`` prints them). The policies:
 
 - ``reuse`` (default): blocks up to 1 GiB come from the heap and freed ones stay in the process, so
   the next window's buffers of the same sizes take the same pages: no fault, no clearing. The heap is
@@ -38,10 +40,11 @@ import os
 import sys
 
 from ..scoped_env import scoped_env
+from . import settings
 
-ENV = "DITSP_CPU_MALLOC"
-POLICIES = ("reuse", "hugepages", "system")
-DEFAULT = "reuse"
+ENV = settings.ENV["malloc"]
+POLICIES = settings.MALLOC_POLICIES
+DEFAULT = settings.CpuSettings.malloc
 APPLIED = "DITSP_CPU_MALLOC_APPLIED"  # set by reexec: this process started with its policy's tunables
 
 _HUGETLB = "glibc.malloc.hugetlb=1"
@@ -53,14 +56,15 @@ _TUNABLES = {
 }
 _MIN_GLIBC_HUGETLB = (2, 35)
 _MIN_GLIBC_TUNABLES = (2, 31)  # the malloc tunables reuse sets (mxfast came last; hugetlb itself with 2.35)
+# GLIBC_TUNABLES when this module was first imported, before any of ditsp's code could set it: what glibc read
+# at this process's start (a forked process keeps its parent's, as it keeps the parent's glibc settings).
+_STARTED = os.environ.get("GLIBC_TUNABLES", "")
 
 
 def policy(environ=None) -> str:
-    """The policy asked for (``DITSP_CPU_MALLOC``, else :data:`DEFAULT`); one-line error if unknown."""
-    value = (os.environ if environ is None else environ).get(ENV, "").strip().lower() or DEFAULT
-    if value not in POLICIES:
-        raise ValueError(f"{ENV}={value!r} is not a policy: choose one of {', '.join(POLICIES)}")
-    return value
+    """The policy asked for: this process's (:func:`.settings.process`), or that of ``environ`` when given
+    (``DITSP_CPU_MALLOC``, else :data:`DEFAULT`); one-line error if unknown."""
+    return (settings.process() if environ is None else settings.CpuSettings.from_env(environ)).malloc
 
 
 def glibc_version() -> tuple[int, int] | None:
@@ -97,8 +101,8 @@ def _merged(existing: str, entries: tuple[str, ...]) -> str:
 
 def rank_environment(environ=None) -> dict[str, str]:
     """The environment variables a new process needs for the policy (empty when nothing is to set)."""
-    environ = os.environ if environ is None else environ
     entries = tunables(policy(environ))
+    environ = os.environ if environ is None else environ
     if not entries:
         return {}
     existing = environ.get("GLIBC_TUNABLES", "")
@@ -113,15 +117,20 @@ def for_new_processes():
 
 
 def in_effect(environ=None) -> bool:
-    """Whether this process started with the policy's tunables (glibc read them at start-up)."""
-    return not rank_environment(environ)
+    """Whether a process started with ``environ`` runs under the policy's tunables; by default this process,
+    with ``GLIBC_TUNABLES`` as it started (:data:`_STARTED`), not as it is now: a rank forked while
+    :func:`for_new_processes` had set the variable runs under its parent's glibc settings."""
+    if environ is not None:
+        return not rank_environment(environ)
+    return _merged(_STARTED, tunables(policy())) == _STARTED
 
 
 def reexec() -> None:
     """Start this program again with the policy's tunables, once, if it did not start with them.
 
-    Called first thing by the ``ditsp`` program, before torch is imported (the restart costs about
-    30 ms). Does nothing where the policy needs nothing or the process already started with it."""
+    Called first thing by the ``ditsp`` program when ``malloc_restart`` is on, before torch is imported
+    (the restart costs about 30 ms). Does nothing where the policy needs nothing or the process already
+    started with it."""
     extra = rank_environment()
     if not extra or os.environ.get(APPLIED) == "1" or not sys.executable or len(getattr(sys, "orig_argv", ())) < 2:
         return  # nothing to apply, applied already, or no way to start this program again: run as started
@@ -137,7 +146,6 @@ def reexec() -> None:
 
 def describe(environ=None) -> str:
     """One line for ``ditsp doctor`` and reports: the policy, and whether this process runs under it."""
-    environ = os.environ if environ is None else environ
     name = policy(environ)
     if name == "system":
         return "system (glibc's own: big buffers mapped and faulted in afresh on every call)"
@@ -146,7 +154,8 @@ def describe(environ=None) -> str:
         needs = _MIN_GLIBC_HUGETLB if name == "hugepages" else _MIN_GLIBC_TUNABLES
         why = "no glibc" if glibc_version() is None else f"glibc older than {needs[0]}.{needs[1]}"
         return f"{name} asked, no effect here ({why})"
-    state = "in effect" if in_effect(environ) else "not in effect in this process (start it through `ditsp`)"
+    state = "in effect" if in_effect(environ) else ("not in effect in this process (start it with "
+                                                     "DITSP_CPU_MALLOC_RESTART=1, docs/configuration.md)")
     if _HUGETLB in entries and transparent_hugepages() == "never":
         state += ("; the kernel's transparent huge pages are off (never), so it changes nothing" if name == "hugepages"
                   else "; the kernel's transparent huge pages are off (never): the heap is in 4 KiB pages")
@@ -182,3 +191,7 @@ def transparent_hugepages() -> str | None:
         return None
     start, end = text.find("["), text.find("]")
     return text[start + 1:end] if 0 <= start < end else None
+
+
+if __name__ == "__main__":  # the variables that start a process under the policy, for a shell's `env`
+    print(" ".join(f"{k}={v}" for k, v in rank_environment().items()))

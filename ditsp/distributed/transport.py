@@ -128,7 +128,7 @@ class TransportSettings:
         pick("policy", "a2a_policy", ENV_POLICY, str.lower, "auto")
         pick("long_training", "a2a_long_training", ENV_LONG, str.lower, "auto")
         pick("capacity_bytes", "a2a_capacity_bytes", ENV_CAPACITY, int, DEFAULT_CAPACITY)
-        values["agree"] = env.get(ENV_AGREE, "").strip().lower() or "key"
+        pick("agree", "a2a_agree", ENV_AGREE, str.lower, "key")
         for k, v in overrides.items():
             values[k] = v
             sources.append((k, "override"))

@@ -11,21 +11,27 @@ logical dimensions only, and the copies the layers make keep the layout.
 
 The layout changes speed and rounding, never what is computed, so it is for the fast policy,
 which promises results within tolerance. The deterministic policy keeps the contiguous layout its
-fixed-shape, bit-for-bit calls were established on. CUDA keeps it too: not measured there.
+fixed-shape, bit-for-bit calls were established on. CUDA keeps it too: not measured there. The
+``vae_channels_last`` field of :class:`~ditsp.cpu.settings.CpuSettings` (``DITSP_VAE_CHANNELS_LAST=0``)
+turns it off, as benchmarks and tests do to compare the layouts.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ....cpu import settings
 from ....fixed_shape import current
 
-ENABLED = True  # tests and A/B runs turn it off to compare the layouts
+
+def enabled() -> bool:
+    """Whether the ``vae_channels_last`` setting in force allows the layout (default: on)."""
+    return settings.current().vae_channels_last
 
 
 def wanted(x: torch.Tensor) -> bool:
     """Whether the piece ``x`` (B, C, T, H, W) should run channels-last (module doc)."""
-    return ENABLED and x.device.type == "cpu" and x.dim() == 5 and not current().deterministic
+    return enabled() and x.device.type == "cpu" and x.dim() == 5 and not current().deterministic
 
 
 def is_channels_last(x: torch.Tensor) -> bool:

@@ -278,7 +278,7 @@ def backend_of(device: torch.device | str, deterministic: bool) -> str:
     """The :func:`estimate` backend of a VAE run on ``device`` under this kernel policy (its activations' layout)."""
     if torch.device(device).type != "cpu":
         return "cuda"
-    return "cpu-deterministic" if deterministic or not channels_last.ENABLED else "cpu"
+    return "cpu-deterministic" if deterministic or not channels_last.enabled() else "cpu"
 
 
 def counts_winograd(device: torch.device | str, deterministic: bool) -> bool:

@@ -30,20 +30,19 @@ for all of the released VAE's eligible convs) and, on this VM, ~1.5 us per chann
 which is why a conv builds them only once its calls have done about as much direct work
 (:data:`BUILD_PIXELS`).
 
-``DITSP_VAE_WINOGRAD=0`` turns it off (:data:`SETTINGS`).
+The ``vae_winograd`` field of :class:`~ditsp.cpu.settings.CpuSettings` (``DITSP_VAE_WINOGRAD=0``)
+turns it off.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from ....cpu import settings
 from .channels_last import is_channels_last
 
-ENV = "DITSP_VAE_WINOGRAD"
-SETTINGS = {"1": True, "0": False}  # the allowed values of ENV; unset means "1"
+ENV = settings.ENV["vae_winograd"]  # the switch's environment variable (the budget's advice names it)
 
 # GEMM rows are processed in bands of tile rows whose transformed input V stays near this size (cache-sized
 # working set, no page faults of fresh large buffers).
@@ -87,11 +86,8 @@ _pack = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _op is not 
 
 
 def enabled() -> bool:
-    """Whether ``DITSP_VAE_WINOGRAD`` allows the Winograd route (read per call; unset: on)."""
-    value = os.environ.get(ENV, "1").strip() or "1"
-    if value not in SETTINGS:
-        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(SETTINGS)}")
-    return SETTINGS[value]
+    """Whether the ``vae_winograd`` setting in force allows the Winograd route (default: on)."""
+    return settings.current().vae_winograd
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding) -> bool:
