@@ -1,16 +1,28 @@
 """Start ranks: join a ``torchrun`` job, or spawn N gloo ranks on this machine.
 
 :class:`LocalCluster` keeps N spawned ranks alive and runs functions on all of
-them, so tests and benchmarks pay the start-up once. Every call has a
-deadline: a rank that raises or hangs ends the call with its traceback
-(:class:`RankError`), and the cluster is torn down instead of hanging.
+them, so tests and benchmarks pay the start-up once. A rank that raises ends
+the call with its traceback (:class:`RankError`), and a call that is stuck
+ends it too, and the cluster is torn down instead of hanging.
+
+Slow is not stuck. A call is stuck once none of its unanswered ranks made
+progress for its timeout: no heartbeat (a collective completed, a stage
+ended) and no CPU time outside waits (:mod:`.heartbeat`). A rank computing
+for minutes between two collectives, and its peers waiting for it in one,
+are a slow call, however busy the machine; ranks blocked in a collective, a
+lock or a sleep use no CPU and are found stuck one timeout after the last of
+them stopped. The collectives' own timeout (gloo's, the store's) is only a
+backstop for what the parent cannot tell from a slow rank, a rank that spins
+while its peers wait: max(``timeout_s``, :data:`_COLLECTIVE_FLOOR_S`).
 
 Failures say why, on the first line of the :class:`RankError`:
 
 - a rank that raises: its exception (tracebacks follow);
-- a rank that hangs past the deadline: every thread's stack of that rank,
-  dumped by :mod:`faulthandler` on ``SIGUSR1`` (or, without that signal, by a
-  timer armed just before the deadline) into a per-rank file the parent reads;
+- a stuck call: each stuck rank and where its call waits (the innermost frame,
+  and the innermost of the caller's own code), then every thread's stack of
+  that rank, dumped by :mod:`faulthandler` on ``SIGUSR1`` (or, without that
+  signal, by a timer armed before the call's timeout) into a per-rank file
+  the parent reads;
 - a rank that dies (crash, ``os._exit``, failed start-up): its exit code, the
   start-up exception or the crash stack when there is one;
 - a function, argument or result that cannot be pickled: said at once (the
@@ -43,10 +55,12 @@ import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
+import re
 import shutil
 import signal
 import socket
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -62,10 +76,11 @@ import torch.multiprocessing as mp
 from ..cpu import malloc as cpu_malloc
 from ..memory import check_local_ranks
 import ctypes
-from .heartbeat import install
+from .heartbeat import Progress, install
 
 LOOPBACK = "127.0.0.1"
-_START_S = 60.0  # start-up deadline floor (spawning and importing torch take seconds)
+_START_S = 60.0  # the no-progress window's floor at start-up and while a rank imports the call's module
+_COLLECTIVE_FLOOR_S = 600.0  # a collective waits on its peers at least this long (the backstop, module doc)
 _GRACE_S = 5.0  # once a rank failed, how long its peers get to report theirs
 _STACK_WAIT_S = 2.0  # how long the parent waits for a hung rank's stack dump
 # what a starting rank is waiting on (its slot of the shared `started` array before its first call)
@@ -246,7 +261,7 @@ def _forget_parent(listen_fd: int | None) -> None:
 
 def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, tasks, answers,
             parent_pid: int | None = None, stack_path: str | None = None, beats=None, started=None,
-            forked: bool = False, listen_fd: int | None = None) -> None:
+            forked: bool = False, listen_fd: int | None = None, waits=None) -> None:
     if forked:
         _forget_parent(listen_fd)
     if parent_pid is not None:
@@ -254,7 +269,7 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, ta
     results = _Answers(rank, answers)
     fh = _stack_file(stack_path) if stack_path else None
     if beats is not None:
-        install(beats, rank)
+        install(beats, rank, waits)
     if started is not None:
         started[rank] = _PHASE_STORE  # imports done, this function runs: next, the rendezvous store
     try:
@@ -386,11 +401,55 @@ def _sweep_rank_dirs() -> None:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+_FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (\S+)\s*$')
+_STDLIB = tuple(os.path.normpath(p) + os.sep for p in {sysconfig.get_paths()["stdlib"],
+                                                        sysconfig.get_paths()["platstdlib"]})
+
+
+def _short_path(path: str) -> str:
+    """A frame's file as a person reads it: from the package down, or relative to the working folder."""
+    p = path.replace(os.sep, "/")
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in p:
+            return p.rsplit(marker, 1)[1]
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        rel = path
+    return os.path.basename(path) if rel.startswith("..") else rel
+
+
+def _callers_own(path: str) -> bool:
+    """Whether a frame is the caller's code (ditsp's or the called function's), not Python's or a package's."""
+    p = path.replace(os.sep, "/")
+    if "/ditsp/" in p:
+        return True
+    return not (p.startswith(_STDLIB) or "/site-packages/" in p or "/dist-packages/" in p or p.startswith("<"))
+
+
+def waiting_at(stacks: str) -> str | None:
+    """Where a stuck rank's call waits, from its faulthandler dump: the innermost frame of the thread running
+    the call, and the innermost frame of the caller's own code when that is another (``all_reduce
+    (torch/distributed/distributed_c10d.py:3252) from all_gather_rows (ditsp/distributed/comm.py:170)``)."""
+    for block in stacks.split("\n\n"):
+        frames = [m.groups() for m in map(_FRAME.match, block.splitlines()) if m]
+        if not any(fn == "_worker" and _short_path(path).endswith("launcher.py") for path, _, fn in frames):
+            continue
+        path, line, fn = frames[0]
+        at = f"{fn} ({_short_path(path)}:{line})"
+        own = next((f for f in frames if _callers_own(f[0])), None)
+        if own is not None and own != frames[0] and own[2] != "_worker":
+            at += f" from {own[2]} ({_short_path(own[0])}:{own[1]})"
+        return at
+    return None
+
+
 class LocalCluster:
     """N gloo ranks on this machine, reused across calls.
 
-    ``timeout_s`` bounds every call (and every collective inside it, through
-    the process group's timeout); ``threads`` is each rank's compute threads.
+    ``timeout_s`` is how long a call may go without progress before it is
+    stuck (module doc), the start-up's at least :data:`_START_S`; ``threads``
+    is each rank's compute threads.
     """
 
     def __init__(self, world_size: int, timeout_s: float = 120.0, threads: int = 1, fork: bool = False):
@@ -437,13 +496,15 @@ class LocalCluster:
         self._stack_dir = tempfile.mkdtemp(prefix=f"ditsp-ranks-{os.getpid()}-")  # the pid: swept once it is gone
         weakref.finalize(self, shutil.rmtree, self._stack_dir, True)  # also if the cluster is never closed
         self._beats = ctx.Array("Q", self.world_size, lock=False)  # each rank's progress counter
+        self._waits = ctx.Array("Q", self.world_size, lock=False)  # each rank's spin-wait counter (odd: inside)
+        collective_s = max(self.timeout_s, _COLLECTIVE_FLOOR_S)
         self._started = ctx.Array("q", self.world_size, lock=False)  # the call each rank has unpickled
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self.timeout_s, self.threads, self._tasks[r], pipes[r][1],
+                args=(r, self.world_size, port, collective_s, self.threads, self._tasks[r], pipes[r][1],
                       os.getpid(), self._stack_path(r), self._beats, self._started, fork,
-                      sock.fileno() if fork else None),
+                      sock.fileno() if fork else None, self._waits),
                 daemon=True,
                 name=f"ditsp-rank-{r}",
             )
@@ -459,8 +520,8 @@ class LocalCluster:
             raise
         for _, writer in pipes:
             writer.close()  # the ranks hold theirs: a rank's end closing means the rank is gone
-        self._store, self._addr = loopback_store(self.world_size, max(_START_S, self.timeout_s), sock)
-        self._collect(-1, max(_START_S, self.timeout_s), "start-up", idle=False)
+        self._store, self._addr = loopback_store(self.world_size, collective_s, sock)
+        self._collect(-1, self.timeout_s, "start-up")
 
     def _stack_path(self, rank: int) -> str:
         return os.path.join(self._stack_dir, f"rank{rank}.stacks")
@@ -515,27 +576,26 @@ class LocalCluster:
                     "arguments failed; the rank's own error went to stderr)")
         return False, _death(proc.exitcode) + note + (f"\n{crash}" if crash else "")
 
-    def _collect(self, call_id: int, timeout_s: float, what: str, idle: bool = True) -> list:
-        """Every rank's answer. ``idle``: a rank fails when its heartbeat has not moved for ``timeout_s``
-        (stuck), however long the call runs; else ``timeout_s`` is a deadline on the whole call."""
+    def _collect(self, call_id: int, timeout_s: float, what: str) -> list:
+        """Every rank's answer. The call is stuck once none of the ranks that have not answered made progress
+        (:class:`~.heartbeat.Progress`) for ``timeout_s``, or for max(:data:`_START_S`, ``timeout_s``) at
+        start-up and while a rank has not yet unpickled the call (importing its module). An answer is progress
+        too: the peers a finishing rank leaves behind had been waiting for it, and are about to be woken."""
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
         grace = None  # once a rank failed, peers get a few seconds to report theirs
         start = time.monotonic()
-        seen = list(self._beats)
-        moved = [start] * self.world_size  # when each rank's heartbeat last moved
-        deadline = start + timeout_s
+        progress = Progress(timeout_s, start)
+        window = timeout_s
+        answered = start  # when the last answer came
         while len(out) + len(errors) < self.world_size:
             now = time.monotonic()
             pending = [r for r in range(self.world_size) if r not in out and r not in errors]
-            if idle:  # a rank still importing the call gets the start-up allowance, then the idle check
-                for r in pending:
-                    if self._started[r] != call_id:
-                        moved[r] = max(moved[r], start + max(_START_S, timeout_s) - timeout_s)
-                    elif self._beats[r] != seen[r] or moved[r] > now:
-                        seen[r], moved[r] = self._beats[r], now
-                deadline = min(moved[r] for r in pending) + timeout_s
-            limit = deadline if grace is None else min(deadline, grace)
+            starting = call_id == -1 or any(self._started[r] != call_id for r in pending)
+            window = max(_START_S, timeout_s) if starting else timeout_s
+            looks = [progress.look(r, now, self._procs[r].pid, self._beats[r], self._waits[r]) for r in pending]
+            last = max(looks + [answered])
+            limit = last + window if grace is None else min(last + window, grace)
             if now >= limit:
                 break
             waitables = {self._answers[r]: r for r in pending}
@@ -548,6 +608,7 @@ class LocalCluster:
                 if got is None:
                     continue  # a late answer from an earlier, failed call
                 ok, value = got
+                answered = time.monotonic()
                 if ok:
                     out[r] = value
                 else:
@@ -557,11 +618,11 @@ class LocalCluster:
             missing = [r for r in range(self.world_size) if r not in out and r not in errors]
             stacks = self._hung_stacks(missing) if missing else {}
             self.close(force=True)
-            raise RankError(self._report(what, timeout_s, errors, missing, stacks, grace is not None, idle))
+            raise RankError(self._report(what, window, errors, missing, stacks, grace is not None))
         return [out[r] for r in range(self.world_size)]
 
-    def _report(self, what, timeout_s, errors, missing, stacks, after_failure, idle=False) -> str:
-        """One line naming what went wrong on which rank, then the details."""
+    def _report(self, what, window_s, errors, missing, stacks, after_failure) -> str:
+        """One line naming what went wrong on which rank (a stuck rank: where it waits), then the details."""
         by_line: dict[str, list[int]] = {}
         for r, tb in sorted(errors.items()):
             by_line.setdefault(_first_line(tb), []).append(r)
@@ -569,10 +630,12 @@ class LocalCluster:
                    for line, rs in by_line.items()]
         if missing:
             why = (f"no answer within {_GRACE_S:g} s of the failure above" if after_failure
-                   else f"made no progress for {timeout_s:g} s (no collective completed, no heartbeat)" if idle
-                   else f"did not answer within the deadline of {timeout_s:g} s")
+                   else f"made no progress for {window_s:g} s (no heartbeat, no CPU time outside waits)")
             if what == "start-up" and self._started is not None:  # what the start was waiting on
                 why += " (" + "; ".join(sorted({_PHASES.get(self._started[r], "running") for r in missing})) + ")"
+            places = [f"rank {r} in {at}" for r in missing if (at := waiting_at(stacks.get(r) or ""))]
+            if places:
+                why += ": " + ", ".join(places)
             summary.append(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} {why}")
         parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
         for r in missing:

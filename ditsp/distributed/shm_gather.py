@@ -15,8 +15,7 @@ publish k as written; for each peer, wait until it has written k, copy its slot 
 read. A peer's bytes are read only after its counter says they are there: on x86-64 a core's stores
 become visible to the others in the order it made them (the counter is stored after the copy), and
 loads are not reordered with loads, so that is enough. Elsewhere (other architectures) this module
-is not used, nor on groups whose ranks run on different machines, nor where a rank's ``shm_collectives``
-setting (:class:`~ditsp.cpu.settings.CpuSettings`, ``DITSP_SHM_COLLECTIVES=0``) is off.
+is not used, nor on groups whose ranks run on different machines, nor under ``DITSP_SHM_COLLECTIVES=0``.
 
 Agreement. A :class:`~ditsp.distributed.comm.Comm` sets one up after its first :data:`AFTER_CALLS`
 all-gathers (so a Comm made for one call never pays the set-up), deciding from every rank's answer
@@ -45,8 +44,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..cpu import settings
+from .heartbeat import waiting
 
+ENV = "DITSP_SHM_COLLECTIVES"
+SETTINGS = {"1": True, "0": False}  # the allowed values of ENV; unset means "1"
 FIRST_SLOT_BYTES = 4 << 20  # a slot's first size; doubled (or more) when a payload needs it
 MAX_SLOT_BYTES = 256 << 20  # payloads over this go through gloo (n slots of it would be mapped per group)
 _ORDERED_STORES = ("x86_64", "AMD64")  # architectures whose stores are seen in program order (module doc)
@@ -59,8 +60,11 @@ AFTER_CALLS = 8  # a Comm's all-gathers that go through gloo before it sets a se
 
 
 def enabled() -> bool:
-    """Whether this rank's ``shm_collectives`` setting allows shared memory (default: yes)."""
-    return settings.current().shm_collectives
+    """Whether ``DITSP_SHM_COLLECTIVES`` allows shared memory on this rank (unset: yes)."""
+    value = os.environ.get(ENV, "1").strip() or "1"
+    if value not in SETTINGS:
+        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(SETTINGS)}")
+    return SETTINGS[value]
 
 
 def _machine() -> str:
@@ -166,21 +170,24 @@ class ShmGather:
 
     def _wait(self, peer: int, column: int, value: int, deadline: float, what: str) -> None:
         counters, checks = self.counters, 0
-        while counters[peer, column] < value:
-            checks += 1
-            if checks < _SPIN:
-                continue
-            if checks % 256 == 0:
-                if not _alive(self.pids[peer]):
-                    raise RuntimeError(f"rank {self.rank}: rank {peer} (pid {self.pids[peer]}) is gone, in a "
-                                       f"shared-memory all-gather waiting for it to {what}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank {self.rank}: a shared-memory all-gather waited {self.timeout_s:g} s for "
-                                       f"rank {peer} to {what} (call {value}); that rank is stuck")
-            if checks < _YIELD:
-                os.sched_yield()
-            else:
-                time.sleep(5e-5)
+        if counters[peer, column] >= value:
+            return
+        with waiting():  # a spin, not progress: the launcher's stuck-rank check does not count its CPU time
+            while counters[peer, column] < value:
+                checks += 1
+                if checks < _SPIN:
+                    continue
+                if checks % 256 == 0:
+                    if not _alive(self.pids[peer]):
+                        raise RuntimeError(f"rank {self.rank}: rank {peer} (pid {self.pids[peer]}) is gone, in a "
+                                           f"shared-memory all-gather waiting for it to {what}")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"rank {self.rank}: a shared-memory all-gather waited {self.timeout_s:g} s "
+                                           f"for rank {peer} to {what} (call {value}); that rank is stuck")
+                if checks < _YIELD:
+                    os.sched_yield()
+                else:
+                    time.sleep(5e-5)
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``t`` (the same shape and dtype on every rank, a CPU tensor), in rank order."""
