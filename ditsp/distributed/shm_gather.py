@@ -15,7 +15,8 @@ publish k as written; for each peer, wait until it has written k, copy its slot 
 read. A peer's bytes are read only after its counter says they are there: on x86-64 a core's stores
 become visible to the others in the order it made them (the counter is stored after the copy), and
 loads are not reordered with loads, so that is enough. Elsewhere (other architectures) this module
-is not used, nor on groups whose ranks run on different machines, nor under ``DITSP_SHM_COLLECTIVES=0``.
+is not used, nor on groups whose ranks run on different machines, nor where a rank's ``shm_collectives``
+setting (:class:`~ditsp.cpu.settings.CpuSettings`, ``DITSP_SHM_COLLECTIVES=0``) is off.
 
 Agreement. A :class:`~ditsp.distributed.comm.Comm` sets one up after its first :data:`AFTER_CALLS`
 all-gathers (so a Comm made for one call never pays the set-up), deciding from every rank's answer
@@ -44,10 +45,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..cpu import settings
 from .heartbeat import waiting
 
-ENV = "DITSP_SHM_COLLECTIVES"
-SETTINGS = {"1": True, "0": False}  # the allowed values of ENV; unset means "1"
 FIRST_SLOT_BYTES = 4 << 20  # a slot's first size; doubled (or more) when a payload needs it
 MAX_SLOT_BYTES = 256 << 20  # payloads over this go through gloo (n slots of it would be mapped per group)
 _ORDERED_STORES = ("x86_64", "AMD64")  # architectures whose stores are seen in program order (module doc)
@@ -60,11 +60,8 @@ AFTER_CALLS = 8  # a Comm's all-gathers that go through gloo before it sets a se
 
 
 def enabled() -> bool:
-    """Whether ``DITSP_SHM_COLLECTIVES`` allows shared memory on this rank (unset: yes)."""
-    value = os.environ.get(ENV, "1").strip() or "1"
-    if value not in SETTINGS:
-        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(SETTINGS)}")
-    return SETTINGS[value]
+    """Whether this rank's ``shm_collectives`` setting allows shared memory (default: yes)."""
+    return settings.current().shm_collectives
 
 
 def _machine() -> str:
