@@ -17,7 +17,7 @@ on the SP path take a shape that depends on the model alone:
 
 - token-row GEMMs run in tiles of exactly ``row_tile`` rows, the tail tile
   zero-padded (:func:`linear_rows`), float32 CPU tiles on oneDNN like every
-  float32 linear (:mod:`ditsp.cpu_gemm`; its 768-row calls are position-free
+  float32 linear (:mod:`ditsp.cpu.gemm`; its 768-row calls are position-free
   under the AVX-512 and AVX2 kernel sets alike); rows every rank holds whole (a
   request's text) already have one shape at every degree and run plain calls;
 - window attention runs each window shape's (window, head) pairs in batches of
@@ -163,7 +163,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """One ``F.linear`` call, for rows whose call has one shape at every degree (or under the fast policy).
 
-    Float32 CPU calls go through oneDNN (:mod:`ditsp.cpu_gemm`) under either policy: the call's shape
+    Float32 CPU calls go through oneDNN (:mod:`ditsp.cpu.gemm`) under either policy: the call's shape
     is the same at every degree, so any one library gives every degree the same bits.
     """
     return cpu_gemm.linear(x, weight, bias)

@@ -171,7 +171,7 @@ def test_tiled_rows_do_not_depend_on_the_row_count_or_position(threads):
                     full = tok(x)
                     bad = [(a, m) for a in (0, 7, 23) for m in counts if not torch.equal(tok(x[a:a + m]), full[a:a + m])]
                 assert bad == [], (k, n, dtype, shapes.row_tile, bad[:8])
-            with use(FAST):  # the fast policy: one plain call (float32 on oneDNN, ditsp.cpu_gemm)
+            with use(FAST):  # the fast policy: one plain call (float32 on oneDNN, ditsp.cpu.gemm)
                 assert torch.equal(tok(x[:5]), plain_linear(x[:5], tok.weight, tok.bias))
 
 

@@ -15,7 +15,7 @@ Every measurement is one fresh process, pinned to one core (``taskset -c``) with
 build, one warm-up call, then timed calls; it reports process CPU time (user + sys) and wall time
 per call and the process's peak RSS. Per repetition the sides of a case run one after another, the
 order rotated by repetition. ditsp runs as its users run it: under ``ditsp.fixed_shape.FAST`` and
-with the environment ``ditsp.cpu_malloc.rank_environment()`` gives (the ``ditsp`` program's default
+with the environment ``ditsp.cpu.malloc.rank_environment()`` gives (the default
 allocator policy); a third side, ``ditsp-system``, runs ditsp with the plain system allocator. The
 reference runs with the default environment.
 

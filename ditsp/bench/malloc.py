@@ -1,4 +1,4 @@
-"""The CPU allocator policies (:mod:`ditsp.cpu_malloc`) side by side: one fresh process per policy and case.
+"""The CPU allocator policies (:mod:`ditsp.cpu.malloc`) side by side: one fresh process per policy and case.
 
 glibc reads its tunables when a process starts, so each (case, policy) runs in a process of its own,
 started under that policy; the rounds rotate the policies' order so all see the same machine. Cases:

@@ -6,7 +6,7 @@ builds the model once, compiles a second entry to the same weights (``ditsp.mode
 the first compiled call is the warm-up compile, timed on its own) and then runs three modes in turn,
 ``--repeats`` rounds in rotated order so all see the same machine: eager with float32 linears on the
 BLAS (PyTorch's own route, which the SeedVR reference takes), eager on oneDNN (ditsp's default,
-:mod:`ditsp.cpu_gemm`) and compiled. Times are process CPU
+:mod:`ditsp.cpu.gemm`) and compiled. Times are process CPU
 seconds (steadier than wall time on a shared machine; one thread per rank) and wall seconds, the
 minimum over repeats, the slowest rank. The profile (``torch.profiler``, top ops by self CPU time)
 is rank 0's at the first SP degree, eager and compiled. Both run under the fast kernel policy
