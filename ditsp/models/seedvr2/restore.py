@@ -28,7 +28,7 @@ from dataclasses import asdict
 
 import torch
 
-from ... import cpu_malloc
+from ...cpu import malloc as cpu_malloc
 from ...config import ParallelConfig
 from ...distributed.comm import Comm
 from ...distributed.transport import Transport
