@@ -4,6 +4,7 @@ one rank can use before work starts (:func:`available_bytes`)."""
 from __future__ import annotations
 
 import gc
+import math
 import os
 import resource
 
@@ -69,11 +70,37 @@ def _status_kib(field: str) -> int:
     return 0
 
 
+AVAILABLE_ENV = "DITSP_AVAILABLE_GIB"
+
+
+def declared_available_bytes() -> int | None:
+    """The host memory ``DITSP_AVAILABLE_GIB`` tells ditsp to plan against (GiB), or None where it is unset.
+
+    A figure that does not move with what other processes hold at that instant: the test suite sets one, so
+    whether a test runs never depends on the machine's load; a container whose ``/proc/meminfo`` shows the
+    host's memory sets its own limit. ValueError (one line) for anything but a finite number > 0.
+    """
+    raw = os.environ.get(AVAILABLE_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = math.nan
+    if not (math.isfinite(gib) and gib > 0):
+        raise ValueError(f"{AVAILABLE_ENV}={raw!r}: expected a number of GiB > 0")
+    return int(gib * 2**30)
+
+
 def available_bytes(ranks_here: int, device: torch.device | None = None) -> int:
-    """Memory one rank can use: the device's free memory, else this machine's available RAM / local ranks."""
+    """Memory one rank can use: the device's free memory, else this machine's available RAM (or
+    ``DITSP_AVAILABLE_GIB``, :func:`declared_available_bytes`) / local ranks."""
     if device is not None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
+    declared = declared_available_bytes()
+    if declared is not None:
+        return declared // max(1, ranks_here)
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -12,8 +12,15 @@ import torch
 
 from ditsp.distributed.launcher import LocalCluster
 
-# Every collective in a test fails after this many seconds instead of hanging.
+# A multi-rank call in a test is stuck, and fails with where each rank waits, once none of its ranks made
+# progress (a heartbeat, CPU time outside waits: ditsp.distributed.heartbeat) for this many seconds. A
+# rank that computes slowly on a busy machine is never cut by it.
 RANK_TIMEOUT_S = 60.0
+# The host memory every resource check plans against in the tests (ditsp.memory.AVAILABLE_ENV, GiB), set
+# for this process and the ranks and programs it starts: whether a test runs never depends on what other
+# processes hold at that instant (a busy machine refused `verify` on its shipped sets). Every test's work
+# fits in it; the tests of the check itself set their own figure.
+os.environ["DITSP_AVAILABLE_GIB"] = "16"
 # At most this many pool ranks stay alive between tests (each is a process holding torch, ~0.35 GiB);
 # asking for a size that would pass it closes the least recently used clusters first. 14 keeps the
 # sizes most tests cycle through (2, 3, 4 and 5 ranks: ~5 GiB) alive together: with room for fewer,
