@@ -61,12 +61,19 @@ KERNELS_AVX2 := MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CA
 KERNELS_COMPAT := MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=SSE41 ATEN_CPU_CAPABILITY=default
 BITWISE := $(BIN)/python -m pytest -q -p no:cacheprovider -m bitwise tests
 
+# Both phases always run, and the target fails if either failed: a failure in the suite must not hide one in
+# the bitwise tests. Ctrl-C or a TERM stops both.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
-	@if [ "$$($(BIN)/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')" = AVX2 ]; then \
-		echo "bitwise tests under $(KERNELS_COMPAT) (native kernels are AVX2)"; env $(KERNELS_COMPAT) $(BITWISE); \
+	@trap 'exit 130' INT TERM; suite=0; bitwise=0; \
+	echo "the suite: $(BIN)/python -m pytest -q"; \
+	$(BIN)/python -m pytest -q || suite=$$?; \
+	if [ "$$($(BIN)/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')" = AVX2 ]; then \
+		echo "bitwise tests under $(KERNELS_COMPAT) (native kernels are AVX2)"; env $(KERNELS_COMPAT) $(BITWISE) || bitwise=$$?; \
 	else \
-		echo "bitwise tests under $(KERNELS_AVX2)"; env $(KERNELS_AVX2) $(BITWISE); \
+		echo "bitwise tests under $(KERNELS_AVX2)"; env $(KERNELS_AVX2) $(BITWISE) || bitwise=$$?; \
+	fi; \
+	if [ $$suite -ne 0 ] || [ $$bitwise -ne 0 ]; then \
+		echo "make test: FAILED (the suite: exit $$suite; the bitwise tests: exit $$bitwise)"; exit 1; \
 	fi
 
 # The bitwise tests alone, under the three kernel sets (a quick check of a kernel-related change).
