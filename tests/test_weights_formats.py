@@ -185,6 +185,45 @@ def test_fp8_scales_and_values_are_checked(tmp_path, dit_source):
     assert not is_quantized(model), "nothing is loaded on failure"
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3fn", "fp8_e5m2"])
+def test_scaled_fp8_without_its_scales_is_refused(tmp_path, dit_source, fmt):
+    """#44 item 2: a file marked scaled_fp8 with scale keys missing loaded them at scale 1 (12 dB off)."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(save_fp8(reference_names(dit_source), tmp_path / "s.safetensors", fmt, scaled=True))
+    del sd["txt_in.scale_weight"], sd["blocks.0.attn.proj_out.vid.scale_weight"]
+    save_file(sd, tmp_path / "unscaled.safetensors")
+    model = NaDiT(TINY)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(model, tmp_path / "unscaled.safetensors")
+    msg = str(e.value)
+    assert "\n" not in msg and "marked scaled_fp8 but 2 FP8 tensor(s) have no scale" in msg
+    assert "blocks.0.attn.proj_out.vid.weight, txt_in.weight" in msg
+    assert not is_quantized(model)
+    del sd["scaled_fp8"]  # no marker: a plain FP8 file, scale 1 by definition
+    save_file(sd, tmp_path / "plain.safetensors")
+    load_checkpoint(NaDiT(TINY), tmp_path / "plain.safetensors")
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, float("inf"), float("nan")])
+@pytest.mark.parametrize("vae", [False, True])
+def test_fp8_scales_that_are_not_finite_positive_are_refused(tmp_path, dit_source, bad, vae):
+    """#44 item 2: a scale of 0 silently zeroed the weight (a negative one flips it): refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    src = seeded_vae(VAE_TINY).state_dict() if vae else reference_names(dit_source)
+    sd = load_file(save_fp8(src, tmp_path / "s.safetensors", scaled=True))
+    key = "decoder.conv_out.scale_weight" if vae else "txt_in.scale_weight"
+    sd[key] = torch.tensor(bad)
+    save_file(sd, tmp_path / "bad.safetensors")
+    with pytest.raises(VaeCheckpointError if vae else CheckpointError) as e:
+        if vae:
+            load_vae(VideoVAE(VAE_TINY), tmp_path / "bad.safetensors")
+        else:
+            load_checkpoint(NaDiT(TINY), tmp_path / "bad.safetensors")
+    assert str(e.value) == f"FP8 scales must be finite numbers > 0; 1 are not: {key} = {bad!r}"
+
+
 def test_quantized_model_casts_and_moves_as_a_whole(files, inputs):
     model = build_model(TINY, checkpoint=files["fp8_e4m3fn"])
     raw = {n: o.clone() for n, _, _, o in quantized_weights(model)}
@@ -290,7 +329,7 @@ def test_upscale_with_gguf_dit_and_fp8_vae(tmp_path, files, vae_files, capsys):
 
     clip = make_test_clip(str(tmp_path / "in.mp4"), width=32, height=32, frames=5, fps=12, audio=False)
     out = tmp_path / "out.mp4"
-    rc = main(["upscale", str(clip), "-o", str(out), "--dit", files["Q4_K_M"], "--vae", vae_files["fp8_e4m3fn"],
+    rc = main(["upscale", "--model", "tiny-8x", str(clip), "-o", str(out), "--dit", files["Q4_K_M"], "--vae", vae_files["fp8_e4m3fn"],
                "--resolution", "32x32", "--json", "--no-progress"])
     assert rc == 0 and out.exists()
     report = json.loads(capsys.readouterr().out)

@@ -3,7 +3,8 @@
 - ``safetensors``: float tensors (fp32/fp16/bf16), FP8 (``float8_e4m3fn``/``float8_e5m2``, mixed
   files where some blocks are fp16 included); a per-tensor FP8 scale is a scalar key next to the
   weight (``<module>.scale_weight`` as ComfyUI's scaled-FP8 files name it, or
-  ``<module>.weight_scale``), and the ``scaled_fp8`` marker key those files carry is accepted.
+  ``<module>.weight_scale``), and the ``scaled_fp8`` marker key those files carry is accepted (a
+  file with the marker must then carry a scale for every FP8 tensor).
   Memory-mapped; a tensor is read when asked for.
 - ``gguf``: through the ``gguf`` package's reader (memory-mapped). Names lose a leading
   ``model.diffusion_model.`` when the file uses it (every tensor must then carry it); the shape is
@@ -25,6 +26,7 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
+from . import fp8 as _fp8
 from . import ggml as _ggml
 from .stored import StoredTensor, fmt_of_dtype
 from safetensors import safe_open
@@ -73,9 +75,10 @@ def error_line(e: Exception) -> str:
     return line[:200]
 
 
-def _pair_scales(entries: dict[str, StoredTensor]) -> tuple[dict[str, StoredTensor], list[str]]:
+def _pair_scales(entries: dict[str, StoredTensor], path: str) -> tuple[dict[str, StoredTensor], list[str]]:
     """Attach each FP8 scale key to its weight; drop marker keys. A scale without an FP8 weight stays
-    (the strict check then lists it as unexpected)."""
+    (the strict check then lists it as unexpected). A file marked ``scaled_fp8`` must have a scale
+    for every FP8 tensor: one without would load at scale 1, a silently wrong weight."""
     markers = [k for k in entries if k in MARKERS]
     out = {k: v for k, v in entries.items() if k not in MARKERS}
     for k in list(out):
@@ -89,7 +92,17 @@ def _pair_scales(entries: dict[str, StoredTensor]) -> tuple[dict[str, StoredTens
         target.scale_source = k
         target.read_scale = (lambda s=scale: float(s.read().float().reshape(-1)[0]))
         del out[k]
+    if "scaled_fp8" in markers:
+        unscaled = sorted(k for k, v in out.items() if v.fmt in _fp8.FORMATS and v.read_scale is None)
+        if unscaled:
+            raise FormatError(f"{path}: marked scaled_fp8 but {len(unscaled)} FP8 tensor(s) have no scale "
+                              f"(<module>.scale_weight): {_names(unscaled)}")
     return out, markers
+
+
+def _names(keys: list[str], limit: int = 8) -> str:
+    """The first ``limit`` names, then how many more."""
+    return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
 def _read_safetensors(path: str, key: str) -> torch.Tensor:
@@ -116,7 +129,7 @@ def open_safetensors(path: str) -> Checkpoint:
         raise
     except Exception as e:  # noqa: BLE001 - any reader failure is an unreadable file
         raise FormatError(f"{path}: unreadable checkpoint ({error_line(e)})") from None
-    entries, markers = _pair_scales(entries)
+    entries, markers = _pair_scales(entries, path)
     return Checkpoint(path, "safetensors", entries, markers)
 
 
@@ -134,7 +147,7 @@ def open_torch(path: str) -> Checkpoint:
         sd = sd["state_dict"]
     if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise FormatError(f"{path}: expected a flat state_dict of tensors, got {type(sd).__name__}")
-    entries, markers = _pair_scales({k: StoredTensor.of(k, v) for k, v in sd.items()})
+    entries, markers = _pair_scales({k: StoredTensor.of(k, v) for k, v in sd.items()}, path)
     return Checkpoint(path, "torch", entries, markers)
 
 
@@ -208,6 +221,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FormatError(f"{path}: no such checkpoint file")
+    if not os.access(path, os.R_OK):  # the readers word EACCES as "No such file or directory"
+        raise FormatError(f"{path}: not readable (permission denied)")
     for _, suffixes, opener in FORMATS:
         if path.endswith(suffixes):
             return opener(path)
@@ -216,7 +231,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 def from_tensors(sd: Mapping[str, torch.Tensor], name: str = "<state_dict>") -> Checkpoint:
     """An in-memory state_dict as a checkpoint (FP8 scale keys paired as in a file)."""
-    entries, markers = _pair_scales({k: StoredTensor.of(k, v) for k, v in sd.items()})
+    entries, markers = _pair_scales({k: StoredTensor.of(k, v) for k, v in sd.items()}, name)
     return Checkpoint(name, "memory", entries, markers)
 
 

@@ -1,7 +1,8 @@
 """FP8 weights: the two formats, per-tensor scales, quantizing a float weight at load.
 
 A stored FP8 weight is its bytes (``uint8``) and a per-tensor scale: value = fp8 * scale. Files
-without scales (ComfyUI's plain ``*_fp8_e4m3fn`` conversions) have scale 1. Quantizing at load
+without scales (ComfyUI's plain ``*_fp8_e4m3fn`` conversions) have scale 1; a file marked scaled
+must carry every scale, each a finite number > 0 (:func:`valid_scale`). Quantizing at load
 (``--weights-dtype fp8``) picks the scale that maps the tensor's largest magnitude to the format's
 largest finite value, so nothing saturates.
 """
@@ -49,6 +50,12 @@ def quantize(t: torch.Tensor, fmt: str) -> tuple[torch.Tensor, float]:
     scale = amax / torch.finfo(dt).max if amax > 0 else 1.0
     q = (t.detach().float() / scale).to(dt) if scale != 1.0 else t.detach().to(dt)
     return q.contiguous().view(torch.uint8), scale
+
+
+def valid_scale(scale: float) -> bool:
+    """A usable per-tensor scale: a finite number > 0 (0 would zero the weight, a negative one flip it,
+    a non-finite one make every value NaN or Inf)."""
+    return 0.0 < scale < float("inf")
 
 
 def dequantize(raw: torch.Tensor, fmt: str, shape, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import fp8 as _fp8
+from .formats import FormatError
 from .quantized import QuantSpec, attach, dequantize
 from .stored import StoredTensor
 from .quantized import quantized_weights
@@ -77,6 +78,17 @@ def _nonfinite_stored(raw: torch.Tensor, spec: QuantSpec) -> tuple[int, int] | N
     return tuple(total) if any(total) else None
 
 
+def fp8_scales(entries: Mapping[str, StoredTensor]) -> dict[str, float]:
+    """Every FP8 weight's per-tensor scale (scalars: read before any weight), each a finite number > 0;
+    otherwise one-line :class:`FormatError` naming the scale keys and their values."""
+    scales = {k: float(e.read_scale()) for k, e in entries.items() if e.fmt in _fp8.FORMATS and e.read_scale}
+    bad = sorted(f"{entries[k].scale_source or k} = {v!r}" for k, v in scales.items() if not _fp8.valid_scale(v))
+    if bad:
+        raise FormatError(f"FP8 scales must be finite numbers > 0; {len(bad)} are not: {', '.join(bad[:8])}"
+                          + (f" and {len(bad) - 8} more" if len(bad) > 8 else ""))
+    return scales
+
+
 def materialize(entries: Mapping[str, StoredTensor], targets: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
                 weights_dtype: str | None = None, keep: Callable[[str], bool] | None = None,
                 device: torch.device | str = "cpu") -> Materialized:
@@ -88,13 +100,14 @@ def materialize(entries: Mapping[str, StoredTensor], targets: Mapping[str, torch
     """
     fmt8 = _fp8.canonical(weights_dtype)
     params = {k for k, t in targets.items() if isinstance(t, nn.Parameter)}
+    scales = fp8_scales(entries)
     out = Materialized({})
     for k, e in entries.items():
         ref = targets[k]
         want = dtype if (dtype is not None and k in params and ref.dtype.is_floating_point) else ref.dtype
         if e.quantized:
             raw = e.read()
-            scale = (e.read_scale() if e.read_scale else 1.0) if e.fmt in _fp8.FORMATS else 1.0
+            scale = scales.get(k, 1.0)
             spec = QuantSpec(e.fmt, tuple(e.shape), scale)
             raw = raw.contiguous().view(torch.uint8)
             bad = _nonfinite_stored(raw, spec)  # NaN/Inf of the weight as the model sees it
