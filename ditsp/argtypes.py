@@ -46,6 +46,25 @@ def nonneg_float(text: str) -> float:
     return v
 
 
+def finite_float(text: str) -> float:
+    """argparse type: a finite number (no inf, no nan)."""
+    v = _number(float, text, "a finite number")
+    if not abs(v) < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return v
+
+
+MIN_TIMEOUT_S = 1.0  # below this a rank cannot even reach the rendezvous store (a 0 ms connect timeout)
+
+
+def timeout_seconds(text: str) -> float:
+    """argparse type: a stuck-rank timeout, a finite number of seconds >= :data:`MIN_TIMEOUT_S`."""
+    v = _number(float, text, f"a number of seconds >= {MIN_TIMEOUT_S:g}")
+    if not MIN_TIMEOUT_S <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= {MIN_TIMEOUT_S:g}, got {text!r}")
+    return v
+
+
 def positive_int_list(text: str) -> list[int]:
     """argparse type: comma-separated integers >= 1 (e.g. ``2,4``), at least one."""
     items = [v.strip() for v in text.split(",")]

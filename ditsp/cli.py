@@ -27,11 +27,20 @@ def _terminate(signum, frame):
     raise SystemExit(128 + signum)  # unwinds like Ctrl-C: ranks stopped, temporary files removed
 
 
+def command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The command's own parser: its errors print its usage under its name (``ditsp train: error: ...``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    parser = command_parser(parser, args.command)
     if isinstance(getattr(args, "sp", None), int) and args.sp < 1:
-        parser.error("--sp must be >= 1")
+        parser.error(f"argument --sp: must be an integer >= 1, got {args.sp}")
     main_thread = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:

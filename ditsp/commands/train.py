@@ -14,6 +14,7 @@ import os
 import sys
 from dataclasses import asdict
 
+from ..argtypes import nonneg_float, positive_float, timeout_seconds
 from .common import add_compile_arg, positive_int
 
 
@@ -24,9 +25,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/train", help="directory: checkpoint.pt, <module>.safetensors, loss.png, report.json")
     p.add_argument("--steps", type=positive_int, default=100)
     p.add_argument("--batch", type=positive_int, default=2, help="clips per step")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (a finite number > 0)")
+    p.add_argument("--weight-decay", type=nonneg_float, default=0.01, help="AdamW weight decay (>= 0)")
+    p.add_argument("--clip", type=positive_float, default=1.0, help="gradient-norm clip (a finite number > 0)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (weights and optimizer stay fp32)")
     p.add_argument("--seed", type=int, default=0, help="data, noise and everything drawn: a run is a function of it")
     p.add_argument("--frames", type=positive_int, default=5, help="frames per clip (kn + 1, k the VAE's time factor)")
@@ -46,7 +47,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_compile_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON report")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds any collective may wait")
+    p.add_argument("--timeout", type=timeout_seconds, default=600.0,
+                   help="seconds a rank may go without progress (no collective completed) before it counts as stuck")
     p.set_defaults(func=run)
     return p
 
@@ -71,8 +73,28 @@ def config_of(args):
                        progress=not (args.no_progress or args.json), json=args.json)
 
 
+def check_local(parser, n: int) -> None:
+    """Refuse (one line) ``n`` local ranks this machine cannot hold, before any starts: their processes'
+    memory (:func:`ditsp.memory.check_local_ranks`, as `upscale` and `run`) or more than
+    :data:`~ditsp.memory.RANKS_PER_CORE_LIMIT` per CPU core; warn when they outnumber the cores."""
+    from ..memory import RANKS_PER_CORE_LIMIT, check_local_ranks
+
+    try:
+        check_local_ranks(n)
+    except ValueError as e:
+        parser.error(str(e))
+    cores = os.cpu_count() or 1
+    if n > RANKS_PER_CORE_LIMIT * cores:
+        parser.error(f"--sp {n}: {n} local ranks on {cores} CPU core{'s' if cores > 1 else ''} (more than "
+                     f"{RANKS_PER_CORE_LIMIT} per core); use fewer ranks, or torchrun across machines")
+    if n > cores:
+        print(f"ditsp train: warning: {n} ranks on {cores} CPU core{'s' if cores > 1 else ''}: oversubscribed, "
+              f"steps will be slow", file=sys.stderr)
+
+
 def run(args, parser) -> int:
     from ..distributed.launcher import RankError, init_from_env, launch
+    from ..errors import one_line
     from ..train.loop import check, rank_check, rank_train
 
     try:
@@ -80,6 +102,8 @@ def run(args, parser) -> int:
     except ValueError as e:
         parser.error(str(e))
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if not torchrun:
+        check_local(parser, cfg.sp)
     fn = rank_check if args.check else rank_train
     try:
         if torchrun:
@@ -96,11 +120,13 @@ def run(args, parser) -> int:
             result = rank_train(RankContext(0, 1, None, torch.device("cpu")), cfg)
         else:
             result = launch(fn, cfg.sp, cfg, timeout_s=args.timeout)[0]
-    except (RankError, ValueError, OSError) as e:
-        print(f"ditsp train: {str(e).splitlines()[0]}", file=sys.stderr)
+        if args.check:
+            result = {"check": check(cfg, result), "sp": cfg.sp, "path": cfg.path, "objective": cfg.objective}
+    except (RankError, ValueError, OSError) as e:  # a rank's report: its first line names the cause on each rank
+        print(f"ditsp train: {str(e).splitlines()[0] if isinstance(e, RankError) else one_line(str(e))}",
+              file=sys.stderr)
         return 1
     if args.check:
-        result = {"check": check(cfg, result), "sp": cfg.sp, "path": cfg.path, "objective": cfg.objective}
         if not args.json:
             c = result["check"]
             print(f"one step, SP={cfg.sp} ({cfg.path}) vs one device: loss {c['loss_sp']:.6g} vs "

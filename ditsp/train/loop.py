@@ -30,6 +30,7 @@ from ..models.seedvr2.compiled import compile_dit, compile_vae, describe
 from ..models.seedvr2.nadit.model import NaDiT, build_model
 from ..models.seedvr2.vae.config import PRESETS as VAE_PRESETS
 from ..models.seedvr2.vae.model import VideoVAE
+from ..weights import is_quantized
 from . import checkpoint as ckpt
 from .data import ClipPairs
 from .objective import OBJECTIVES, check_vae_training, dit_loss, pin_posterior_std, vae_loss
@@ -93,6 +94,13 @@ class TrainConfig:
                                  f"got {s[::-1]} (WxH)")
         self.size = sizes[0] if len(sizes) == 1 else sizes
         self.freeze = tuple(self.freeze)
+        for name, low in (("lr", 0.0), ("clip", 0.0), ("weight_decay", None)):  # None: >= 0, else > low
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and (v >= 0 if low is None else v > low)):
+                raise ValueError(f"{name} must be a finite number {'>= 0' if low is None else '> 0'}, got {v!r}")
+        if self.checkpoint_every < 1 or self.warmup < 0:
+            raise ValueError(f"checkpoint_every must be >= 1 and warmup >= 0, got {self.checkpoint_every} and "
+                             f"{self.warmup}")
 
     @property
     def sizes(self) -> tuple[tuple[int, int], ...]:
@@ -124,6 +132,11 @@ def build(cfg: TrainConfig):
     else:
         trainable = {"vae": vae}
         params = list(vae.parameters())
+    quantized = [f"--{name} {path}" for name, path, m in (("dit", cfg.dit, dit), ("vae", cfg.vae, vae))
+                 if path and is_quantized(m) and name in trainable]
+    if quantized:  # FP8 bytes and GGUF blocks have no gradient: training needs float weights
+        raise ValueError(f"{quantized[0]}: quantized weights (FP8/GGUF) cannot be trained; give a float checkpoint "
+                         f"(fp32/fp16/bf16 .safetensors or .pth)")
     for m in (dit, vae):
         m.requires_grad_(False)
     for p in params:
@@ -154,6 +167,8 @@ class Trainer:
         self.data = ClipPairs(cfg.frames, cfg.sizes[0], cfg.seed)
         self.text = text_embedding(self.dit)
         self.step, self.losses = 0, []
+        self.saved = 0  # the step of the last checkpoint written or resumed from (0: none)
+        self.names = {id(p): f"{k}.{n}" for k, m in self.modules.items() for n, p in m.named_parameters()}
         self._runtimes = {}
 
     @property
@@ -173,10 +188,12 @@ class Trainer:
 
     def loss(self, step: int) -> torch.Tensor:
         size = self.cfg.sizes[step % len(self.cfg.sizes)]
+        if self.cfg.objective == "vae":  # clean clips only: the degradations (real codecs) cost more than a step
+            clean = self.data.clean_batch(step, self.cfg.batch, size)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
+                return vae_loss(self.vae, clean).float()
         degraded, clean = self.data.batch(step, self.cfg.batch, size)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
-            if self.cfg.objective == "vae":
-                return vae_loss(self.vae, clean).float()
             g = torch.Generator().manual_seed(self.cfg.seed * 7919 + step + 1)
             t, h, w = self.vae.cfg.latent_shape(self.cfg.frames, *size)
             return dit_loss(self.dit, self.vae, self.text, degraded, clean, g, self.runtime((t, h, w))).float()
@@ -191,24 +208,43 @@ class Trainer:
         return loss.item()
 
     def train_step(self) -> float:
+        """One step; :class:`~.checkpoint.NonFiniteError` naming the step, before anything non-finite
+        is kept, when the loss or the gradients are NaN/Inf or the step made a weight so. Every rank
+        of the group holds the same loss, gradients and weights, so every rank stops at the same step."""
         loss = self.gradients(self.step)
-        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip)
+        if not math.isfinite(loss):
+            self._stop(f"the loss is {loss}")
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip))
+        if not math.isfinite(norm):
+            self._stop(f"the gradient norm is {norm} (loss {loss:.4g})")
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.cfg, self.step)
         self.opt.step()
+        bad = ckpt.nonfinite((self.names[id(p)], p.detach()) for p in self.params)
+        if bad:
+            self._stop(f"the optimizer step made {len(bad)} weight tensor(s) NaN or Inf ({', '.join(bad[:3])}"
+                       f"{', ...' if len(bad) > 3 else ''}; lr {lr_at(self.cfg, self.step):.3g})")
         self.step += 1
         self.losses.append(loss)
         return loss
+
+    def _stop(self, why: str) -> None:
+        kept = (f"the last checkpoint, after step {self.saved}, is kept" if self.saved
+                else "no checkpoint was written")
+        raise ckpt.NonFiniteError(f"step {self.step + 1}: {why}; training stopped ({kept}; a lower --lr or "
+                                  f"--clip may help)")
 
     def save(self) -> None:
         if self.rank0:
             ckpt.save(Path(self.cfg.out) / "checkpoint.pt", self.modules, self.opt, self.step, self.losses,
                       asdict(self.cfg))
+        self.saved = self.step
 
     def restore(self) -> None:
         path = Path(self.cfg.out) / "checkpoint.pt"
         if path.exists():
             self.step, self.losses = ckpt.load(path, self.modules, self.opt, asdict(self.cfg))
+            self.saved = self.step
 
     def run(self) -> dict:
         cfg = self.cfg
