@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from ..argtypes import finite_float, timeout_seconds
 from .common import check_output_file, positive_float, positive_int
 
 
@@ -26,7 +27,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--size", default="832x480", help="WIDTHxHEIGHT in pixels")
     p.add_argument("--frames", type=positive_int, default=81, help="pixel frames (4n+1 for Wan)")
     p.add_argument("--steps", type=positive_int, default=20)
-    p.add_argument("--guidance", type=float, default=5.0, help="CFG scale; 1 or less runs no unconditional pass")
+    p.add_argument("--guidance", type=finite_float, default=5.0,
+                   help="CFG scale (a finite number); 1 or less runs no unconditional pass")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ulysses", type=positive_int, default=1, help="Ulysses degree")
     p.add_argument("--ring", type=positive_int, default=1, help="Ring degree (USP when both are > 1)")
@@ -38,7 +40,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--threads", type=positive_int, default=1, help="compute threads per rank")
-    p.add_argument("--timeout", type=positive_float, default=3600.0)
+    p.add_argument("--timeout", type=timeout_seconds, default=3600.0,
+                   help="seconds a rank may go without progress (a part loaded, a step done, a collective "
+                        "completed) before it counts as stuck")
     p.set_defaults(func=main)
     return p
 
@@ -53,11 +57,28 @@ def _size(parser, text: str) -> tuple[int, int]:
     parser.error(f"--size {text!r}: expected WIDTHxHEIGHT, e.g. 832x480")
 
 
+def check_output(parser, path: str, frames: int) -> None:
+    """The output is a video file (an image for one frame) in a writable folder: checked before any work."""
+    from ..io.formats import WRITE_IMAGE_EXTS, WRITE_VIDEO_EXTS
+
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in WRITE_VIDEO_EXTS and not (frames == 1 and ext in WRITE_IMAGE_EXTS):
+        images = f", or for --frames 1 an image ({'/'.join(WRITE_IMAGE_EXTS)})"
+        parser.error(f"--output {path}: write a video ({'/'.join(WRITE_VIDEO_EXTS)}){images}")
+    check_output_file(parser, path, "--output")
+
+
 def _rel(a, b) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    w, h = _size(parser, args.size)  # the arguments first: before diffusers is even imported
+    check_output(parser, args.output, args.frames)
+    if os.path.exists(args.output) and not args.overwrite:
+        parser.error(f"--output {args.output} exists (pass --overwrite)")
+    if args.cfg_parallel and args.guidance <= 1:
+        parser.error("--cfg-parallel needs --guidance > 1 (there is no unconditional pass otherwise)")
     try:
         from ..integrations.diffusers.generate import GenerateRequest, latent_shape, load_embeds, pipeline_index
     except ImportError as e:  # diffusers missing
@@ -65,12 +86,6 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..engine import dispatch
     from ..integrations.diffusers import ParallelizeError
 
-    w, h = _size(parser, args.size)
-    check_output_file(parser, args.output, "--output")
-    if os.path.exists(args.output) and not args.overwrite:
-        parser.error(f"--output {args.output} exists (pass --overwrite)")
-    if args.cfg_parallel and args.guidance <= 1:
-        parser.error("--cfg-parallel needs --guidance > 1 (there is no unconditional pass otherwise)")
     req = GenerateRequest(folder=args.folder, embeds=args.embeds, output=args.output, height=h, width=w,
                           frames=args.frames, steps=args.steps, guidance=args.guidance, seed=args.seed,
                           ulysses=args.ulysses, ring=args.ring, cfg=2 if args.cfg_parallel else 1, fps=args.fps,
