@@ -91,8 +91,9 @@ def _conv(channels: int, dtype: torch.dtype, g: torch.Generator) -> dict:
 
 
 @torch.no_grad()
-def probe(model: str = "seedvr2-3b", dtypes=("fp32", "bf16")) -> dict:
-    """Every check at ``model``'s widths, for each dtype; ``holds`` is the verdict."""
+def probe(model: str = "seedvr2-3b", dtypes=("fp32", "bf16"), say=None) -> dict:
+    """Every check at ``model``'s widths, for each dtype; ``holds`` is the verdict. ``say(text)``, when
+    given, is told each check before it runs (a check at the released widths takes a minute or more)."""
 
     cfg = get_config(model)
     vae_width = (RELEASED if model.startswith("seedvr2") else TINY).widths[0]
@@ -100,12 +101,18 @@ def probe(model: str = "seedvr2-3b", dtypes=("fp32", "bf16")) -> dict:
     g = torch.Generator().manual_seed(0)
     out = {"model": model, "cpu": cpu_capability(), "threads": torch.get_num_threads(),
            "cpu_malloc": cpu_malloc.describe(), "checks": []}
+    say = say or (lambda text: None)
+    total, done = 4 * len(dtypes), 0
     for name in dtypes:
         dtype = DTYPES[name]
-        for k, n in ((cfg.vid_dim, 3 * inner), (cfg.mlp_hidden, cfg.vid_dim)):
-            out["checks"].append({"kind": "gemm", "dtype": name, **_gemm(k, n, dtype, g)})
-        out["checks"].append({"kind": "attention", "dtype": name, **_attention(cfg.heads, cfg.head_dim, dtype, g)})
-        out["checks"].append({"kind": "conv", "dtype": name, **_conv(vae_width, dtype, g)})
+        checks = [("gemm", lambda k=k, n=n: _gemm(k, n, dtype, g))
+                  for k, n in ((cfg.vid_dim, 3 * inner), (cfg.mlp_hidden, cfg.vid_dim))]
+        checks.append(("attention", lambda: _attention(cfg.heads, cfg.head_dim, dtype, g)))
+        checks.append(("conv", lambda: _conv(vae_width, dtype, g)))
+        for kind, run in checks:
+            done += 1
+            say(f"check {done} of {total}: {kind}, {name}")
+            out["checks"].append({"kind": kind, "dtype": name, **run()})
     out["holds"] = all(c["holds"] for c in out["checks"])
     return out
 

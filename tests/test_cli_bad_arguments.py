@@ -2,6 +2,7 @@
 every command as one line on stderr with a non-zero exit, before any work."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -91,7 +92,9 @@ def _fake_summary(spec):
 @pytest.mark.parametrize("extra,msg", [
     (["--sp", "1", "--layers", "0"], "--layers: must be an integer >= 1"),
     (["--sp", "1", "--repeats", "0"], "--repeats: must be an integer >= 1"),
-    (["--sp", "1", "--timeout", "0"], "--timeout: must be a finite number > 0"),
+    (["--sp", "1", "--timeout", "0"], "--timeout: must be a finite number of seconds >= 1"),
+    (["--sp", "2", "--timeout", "1e-9"], "--timeout: must be a finite number of seconds >= 1"),
+    (["--sp", "2", "--timeout", "inf"], "--timeout: must be a finite number of seconds >= 1"),
     (["--sp", "1", "--warmup", "-1"], "--warmup: must be an integer >= 0"),
     (["--sp", "1", "--threads", "0"], "--threads: must be an integer >= 1"),
     (["--sp", "0"], "--sp: must be an integer >= 1"),
@@ -169,3 +172,66 @@ def test_bench_forward_out_not_creatable(capsys, tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert "--out" in fails(capsys, ["bench", "forward", "--out", str(blocker / "sub")])
+
+
+# ---------------------------------------------------------------- issue #44 items 10 and 13
+
+
+def test_sp_0_is_the_commands_own_error(capsys, tmp_path, no_spawn):
+    """Before: the top-level usage (`usage: ditsp [-h] {plan,run,...}`) and `ditsp: error: --sp must be >= 1`."""
+    with pytest.raises(SystemExit) as e:
+        main(["upscale", str(tmp_path / "in.mp4"), "-o", str(tmp_path / "out.mp4"), "--sp", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: ditsp upscale "), err
+    assert re.search(r"^ditsp upscale: error: argument --sp: must be an integer >= 1, got '?0'?$", err, re.M), err
+
+
+@pytest.mark.parametrize("argv", [["upscale", "in.mp4", "-o", "out.mp4"], ["generate", "folder", "--embeds", "e",
+                                                                           "-o", "x.mp4"], ["train"]])
+@pytest.mark.parametrize("value", ["inf", "nan", "1e-9", "0", "-5"])
+def test_every_stuck_rank_timeout_is_range_checked(capsys, no_spawn, argv, value):
+    """`--timeout inf` was a traceback (train, upscale); `--timeout 1e-9` 38 lines of C++ frames (a 0 ms
+    connect timeout at the rendezvous) before its error."""
+    err = fails(capsys, [*argv, f"--timeout={value}"])
+    assert err.endswith(f"argument --timeout: must be a finite number of seconds >= 1, got '{value}'"), err
+
+
+def test_a_failed_rank_of_run_prints_the_error_line_first(capsys, monkeypatch):
+    """A rank killed during `ditsp run` printed the launcher's traceback (~70 lines) before the error line."""
+    from ditsp.distributed.launcher import RankError
+
+    report = ("rank_forward failed on 2 ranks: rank 1: died of SIGKILL (exit code -9)\n"
+              "--- rank 0: no answer; every thread's stack ---\nThread 0x1 (most recent call first):\n  File x")
+
+    def killed(spec, **kw):
+        raise RankError(report)
+
+    monkeypatch.setattr("ditsp.engine.run", killed)
+    with pytest.raises(SystemExit) as e:
+        main([*RUN, "--sp", "2", "--max-memory", "100"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    lines = [ln for ln in lines if "warning:" not in ln]  # the oversubscription warning on a small machine
+    assert e.value.code == 1
+    assert lines[0] == "ditsp run: error: rank_forward failed on 2 ranks: rank 1: died of SIGKILL (exit code -9)"
+    assert lines[1:] == report.splitlines()[1:] and "Traceback" not in "\n".join(lines)
+
+
+def test_doctor_says_what_it_is_doing_as_it_goes(capsys, monkeypatch):
+    """It printed nothing for 2.5-7 minutes at the released widths: each check is named before it runs."""
+    from ditsp import fixed_shape_probe as fsp
+
+    seen = []
+
+    def check(kind):
+        def run(*a, **k):
+            seen.append((kind, capsys.readouterr().err))  # what stderr said just before this check ran
+            return {"shape": "s", "holds": True}
+        return run
+
+    for kind in ("gemm", "attention", "conv"):
+        monkeypatch.setattr(fsp, f"_{kind}", check(kind))
+    assert main(["doctor", "--model", "tiny", "--dtype", "fp32,bf16", "--json"]) == 0
+    assert [k for k, _ in seen] == ["gemm", "gemm", "attention", "conv"] * 2
+    assert "ditsp doctor: probing tiny's kernel shapes (fp32, bf16" in seen[0][1]
+    for i, ((kind, err), dtype) in enumerate(zip(seen, ["fp32"] * 4 + ["bf16"] * 4)):
+        assert err.strip().splitlines()[-1] == f"ditsp doctor: check {i + 1} of 8: {kind}, {dtype}"

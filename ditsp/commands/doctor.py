@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from .common import positive_int
 
@@ -33,6 +34,10 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--dtype {args.dtype}: choose from {', '.join(DTYPES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = probe(args.model, dtypes)
+    # each check at the released widths takes a minute or more: say what runs, on stderr (stdout stays the report)
+    print(f"ditsp doctor: probing {args.model}'s kernel shapes ({', '.join(dtypes)}, "
+          f"{torch.get_num_threads()} thread(s)); a check at the released widths takes a minute or more",
+          file=sys.stderr, flush=True)
+    result = probe(args.model, dtypes, say=lambda text: print(f"ditsp doctor: {text}", file=sys.stderr, flush=True))
     print(json.dumps(result, indent=2) if args.json else format_probe(result))
     return 0 if result["holds"] else 1

@@ -15,6 +15,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from ..argtypes import timeout_seconds
 from ..engine import DTYPES
 from ..memory import RANK_BASE_BYTES, RANKS_PER_CORE_LIMIT
 from ..weights.fp8 import WEIGHTS_DTYPES
@@ -50,7 +51,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=nonneg_int, default=0, help="forwards before the timed ones")
     p.add_argument("--repeats", type=positive_int, default=1, help="timed forwards (the report shows the fastest)")
     p.add_argument("--threads", type=positive_int, default=1, help="compute threads per rank")
-    p.add_argument("--timeout", type=positive_float, default=3600.0, help="seconds before a stuck run is ended")
+    p.add_argument("--timeout", type=timeout_seconds, default=3600.0,
+                   help="seconds a rank may go without progress (no collective completed) before it counts as stuck")
     p.add_argument("--max-memory", type=positive_float, metavar="GiB",
                    help="memory one rank may use (default: available memory / local ranks)")
     p.add_argument("--force", action="store_true", help="skip the memory and CPU checks before starting ranks")
@@ -189,10 +191,11 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except CheckpointError as e:
         parser.exit(1, f"ditsp run: error: {_one_line(e)}\n")
     except RankError as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if "CheckpointError" not in first and "PlanTooLargeError" not in first:
-            raise  # not a bad input: keep every rank's traceback
-        parser.exit(1, f"ditsp run: error: {first}\n")
+        first, _, details = (str(e) or type(e).__name__).partition("\n")
+        if "CheckpointError" in first or "PlanTooLargeError" in first:  # a bad input: its line says it all
+            details = ""
+        # the error line first, then every rank's traceback or stack (not the launcher's own traceback)
+        parser.exit(1, f"ditsp run: error: {first}\n" + (f"{details.rstrip()}\n" if details.strip() else ""))
     summary["notes"] = notes
     if args.json:
         print(json.dumps(summary, indent=2))

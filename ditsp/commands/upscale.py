@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..argtypes import timeout_seconds
 from ..errors import one_line
 from ..io.formats import WRITE_IMAGE_EXTS, WRITE_VIDEO_EXTS
 from ..models.seedvr2 import request
@@ -66,7 +67,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--crf", type=int, default=18, help="H.264 quality (0-51, lower is better)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
-    p.add_argument("--timeout", type=float, default=3600.0,
+    p.add_argument("--timeout", type=timeout_seconds, default=3600.0,
                    help="seconds a rank may go without progress (no collective, no stage done) before it counts as stuck")
     p.add_argument("--plot", metavar="FILE.png", help="picture of input vs output frames and the stage timeline")
     add_deterministic_arg(p)
