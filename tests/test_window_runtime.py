@@ -194,8 +194,7 @@ def test_mismatched_geometry_raises_on_every_rank(clusters):
 
 
 def test_failing_rank_ends_the_call_with_its_traceback(clusters):
-    t0 = time.monotonic()
+    # an hour's no-progress window, far past the test's timeout: the failure ends the call, not the window
     with pytest.raises(RankError, match="deliberate failure on the last rank"):
-        clusters(2).run(rank_fails)
-    assert time.monotonic() - t0 < 30
+        clusters(2).run(rank_fails, timeout_s=3600)
     assert clusters(2).run(walk_schedule, GRID, ["regular"], "float32")[0][0]  # the pool recovers
