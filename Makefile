@@ -91,3 +91,17 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis
+
+# The GPU acceptance run (docs/gpu.md): on a machine with a GPU and torch, no network and no venv. Installs
+# ditsp without its dependencies (or runs it from the tree when that fails), then runs every step of
+# benchmarks/gpu/ under its time budget (about 6 minutes on an H200) into
+# $(GPU_CHECK_OUT)/<date>-<device>/results.{json,md}, written as each row finishes. Without a GPU it runs
+# the same steps at tiny sizes on the CPU (a dry run; the suite runs it too, tests/test_gpu_check.py).
+GPU_PY ?= python3
+GPU_CHECK_OUT ?= benchmarks/results/gpu
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-check
+gpu-check:
+	timeout 120 $(GPU_PY) -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+		|| echo "gpu-check: pip install failed; running ditsp from the tree"
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m benchmarks.gpu.check --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)

@@ -52,8 +52,8 @@ class PrefixCausal(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         backend, scale, p = ctx.args
-        dq = torch.zeros(q.shape, dtype=torch.float32)
-        dk, dv = torch.zeros(k.shape, dtype=torch.float32), torch.zeros(v.shape, dtype=torch.float32)
+        f32 = dict(dtype=torch.float32, device=q.device)
+        dq, dk, dv = torch.zeros(q.shape, **f32), torch.zeros(k.shape, **f32), torch.zeros(v.shape, **f32)
         for lo, hi, diag in ((0, p, False), (p, k.shape[2], True)):
             if hi > lo:
                 g = block_bwd(backend, q, k[:, :, lo:hi], v[:, :, lo:hi], out, lse, dout, scale, causal=diag)

@@ -50,7 +50,7 @@ def gather_lens(comm: Comm, n: int) -> list[int]:
     """Every rank's local length (one tiny counted all-gather), so splits need no masks."""
     if comm.world_size == 1:
         return [int(n)]
-    t = torch.tensor([int(n)], dtype=torch.int64)
+    t = torch.tensor([int(n)], dtype=torch.int64, device=comm.wire_device)  # NCCL takes device tensors only
     return [int(x) for x in comm.all_gather_rows(t, [1] * comm.world_size, kind="lengths")]
 
 

@@ -30,35 +30,49 @@ cuda_efficient   ``aten._scaled_dot_product_efficient_attention``           CUDA
 reference        pure torch, fp32 score chunks (``attn_fwd/bwd`` here)     everything (the fallback)
 ===============  =========================================================  ===========================
 
-The CUDA rows are thin, guarded wrappers that have NOT been run: this
-project is developed and tested on CPU only. A kernel is also probed once per
+The CUDA rows are thin, guarded wrappers, checked on CPU against the kernels'
+own shape rules (tests/test_gpu_check.py) and on a GPU by ``make gpu-check``
+(docs/gpu.md says which runs happened). A kernel is also probed once per
 (device, dtype, head dim) with a tiny forward and backward; if it raises, the
-call falls back to ``reference`` and :func:`choose` says why.
+call falls back to ``reference``, :func:`choose` says why in
+:attr:`Choice.reason`, and a one-line warning names the failed kernel
+(:attr:`Choice.fallback`: a kernel of the table takes the call but failed, so
+the slow path runs where a fast one was expected; never a silent success).
 
-Choosing: :func:`choose` returns a :class:`Choice` (name and, on a fallback,
-the reason). ``requested`` (``SPAttention(backend=...)`` or the environment
-variable ``DITSP_ATTENTION_BACKEND``) may name a backend; ``"reference"``
-forces the pure-torch path. The SP strategies put the choice into the call
-signature their ranks agree on, so every rank runs the same backend.
+Choosing: :func:`choose` returns a :class:`Choice`. The backend is a field of
+every global-attention strategy (``SPAttention(backend=...)``, ``Ulysses``,
+``Ring``, ``USP``); left unset it is :data:`DEFAULT_BACKEND` (``"auto"``: the
+first kernel of the table that takes the call), which the environment
+variable ``DITSP_ATTENTION_BACKEND`` overrides. ``"reference"`` forces the
+pure-torch path. The SP strategies put the choice into the call signature
+their ranks agree on, so every rank runs the same backend.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-ENV = "DITSP_ATTENTION_BACKEND"
+ENV = "DITSP_ATTENTION_BACKEND"  # overrides DEFAULT_BACKEND where a strategy's backend field is unset
+DEFAULT_BACKEND = "auto"  # the backend field's default: the first kernel of the table that takes the call
+
+log = logging.getLogger("ditsp.attention")
 
 
 @dataclass(frozen=True)
 class Choice:
-    """The backend of one call signature; ``reason`` says why a fallback was taken (None otherwise)."""
+    """The backend of one call signature; ``reason`` says why ``reference`` runs (None for a fused kernel).
+
+    ``fallback``: a kernel of the table takes the call (device, dtype, head dim) but raised when probed,
+    so the pure-torch path runs where a fused one was expected; gpu-check reports it as a failure."""
 
     name: str
     reason: str | None = None
+    fallback: bool = False
 
 
 # -- GQA grouping: query heads of one K/V head become rows of that head ------------------------
@@ -87,24 +101,24 @@ def _cpu_flash_bwd(q, k, v, out, lse, dout, scale, causal=False):
         dout, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
-def _cuda_flash_fwd(q, k, v, scale, causal=False):  # not run here (no GPU in development)
+def _cuda_flash_fwd(q, k, v, scale, causal=False):
     r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     return r[0], r[1]
 
 
-def _cuda_flash_bwd(q, k, v, out, lse, dout, scale, causal=False):  # not run here
+def _cuda_flash_bwd(q, k, v, out, lse, dout, scale, causal=False):
     sq, sk = q.shape[2], k.shape[2]
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, None, None, sq, sk, 0.0, causal, zero, zero, scale=scale)
 
 
-def _cuda_efficient_fwd(q, k, v, scale, causal=False):  # not run here
+def _cuda_efficient_fwd(q, k, v, scale, causal=False):
     r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
     return r[0], r[1][..., : q.shape[2]]  # the kernel pads LSE rows to a multiple of 32
 
 
-def _cuda_efficient_bwd(q, k, v, out, lse, dout, scale, causal=False):  # not run here
+def _cuda_efficient_bwd(q, k, v, out, lse, dout, scale, causal=False):
     sq = q.shape[2]
     pad = (-sq) % 32
     if pad:  # the backward reads LSE in the padded layout the forward wrote
@@ -174,7 +188,8 @@ def _probe(kernel: Kernel, device: str, dtype: torch.dtype, head_dim: int) -> st
 
 
 def requested_default() -> str:
-    return os.environ.get(ENV, "auto") or "auto"
+    """The backend an unset field means: ``DITSP_ATTENTION_BACKEND`` when set, else :data:`DEFAULT_BACKEND`."""
+    return os.environ.get(ENV, "").strip() or DEFAULT_BACKEND
 
 
 def choose(device: str, dtype: torch.dtype, head_dim: int, requested: str | None = None, probe: bool = True) -> Choice:
@@ -189,10 +204,14 @@ def choose(device: str, dtype: torch.dtype, head_dim: int, requested: str | None
         choice = Choice("reference", "requested")
     else:
         kernels = TABLE if requested == "auto" else (KERNELS[requested],)
-        reasons = []
+        reasons, failed = [], []
         choice = None
         for k in kernels:
-            why = k.rejects(device, dtype, head_dim) or (_probe(k, device, dtype, head_dim) if probe else None)
+            why = k.rejects(device, dtype, head_dim)
+            if why is None and probe:
+                why = _probe(k, device, dtype, head_dim)
+                if why is not None:
+                    failed.append(why)
             if why is None:
                 choice = Choice(k.name)
                 break
@@ -200,7 +219,10 @@ def choose(device: str, dtype: torch.dtype, head_dim: int, requested: str | None
                 reasons.append(why)
         if choice is None:
             dt = str(dtype).replace("torch.", "")
-            choice = Choice("reference", "; ".join(reasons) or f"no fused kernel for {dt} on {device}")
+            choice = Choice("reference", "; ".join(reasons) or f"no fused kernel for {dt} on {device}", bool(failed))
+            if failed:  # once per signature (choices are cached): the slow path where a fused one was expected
+                log.warning("attention falls back to the pure-torch reference for %s, head dim %d on %s: %s",
+                            dt, head_dim, device, "; ".join(failed))
     _CHOICES[key] = choice
     return choice
 
@@ -284,13 +306,13 @@ def attn_bwd(q, k, v, lse, delta, dout, scale: float, causal: bool = False, offs
     as for :func:`attn_fwd`.
     """
     h, hk, sq, sk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    f32 = dict(dtype=torch.float32, device=q.device)
     if h == 0 or hk == 0:  # a rank holding no heads: nothing to differentiate
-        return (torch.zeros(q.shape, dtype=torch.float32), torch.zeros(k.shape, dtype=torch.float32),
-                torch.zeros(v.shape, dtype=torch.float32))
+        return torch.zeros(q.shape, **f32), torch.zeros(k.shape, **f32), torch.zeros(v.shape, **f32)
     kf, vf, lse, delta = k.float(), v.float(), lse.float(), delta.float()
-    dq = torch.empty(q.shape, dtype=torch.float32)
-    dk = torch.zeros(k.shape, dtype=torch.float32)
-    dv = torch.zeros(v.shape, dtype=torch.float32)
+    dq = torch.empty(q.shape, **f32)
+    dk = torch.zeros(k.shape, **f32)
+    dv = torch.zeros(v.shape, **f32)
     for i, j in _chunks(sq, sk, h):
         qc = grouped(q[:, :, i:j].float(), hk)
         do = grouped(dout[:, :, i:j].float(), hk)

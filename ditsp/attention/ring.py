@@ -109,7 +109,7 @@ def ring_bwd(comm: Comm, q, kv, kv_lens, scale, out, lse, dout, extra=None, back
     dq = None
     dextra = None
     if extra is not None:
-        dextra = torch.zeros(extra.shape, dtype=torch.float32)
+        dextra = torch.zeros(extra.shape, dtype=torch.float32, device=q.device)
         if extra.shape[3]:
             g = block_bwd(backend, q, extra[0], extra[1], out, lse, dout, scale, delta)
             dq = _acc(dq, g[0])
@@ -132,7 +132,7 @@ def ring_bwd(comm: Comm, q, kv, kv_lens, scale, out, lse, dout, extra=None, back
         elif g is not None:  # the block's own dK/dV become the accumulator (fp32, wire layout)
             blk = tuple(_wire(x).float() for x in g[1:])
         else:
-            blk = tuple(torch.zeros(tuple(x.shape), dtype=torch.float32) for x in blk_kv)
+            blk = tuple(torch.zeros(tuple(x.shape), dtype=torch.float32, device=x.device) for x in blk_kv)
         # Pass the accumulator of the block we hold on; receive the one of the block we hold next.
         if n > 1:
             s = kv_lens[(me - step - 1) % n]
@@ -146,7 +146,7 @@ def ring_bwd(comm: Comm, q, kv, kv_lens, scale, out, lse, dout, extra=None, back
     wait(state["reqs"])
     dq, dkv = state["dq"], state["dkv"]
     if dq is None:
-        dq = torch.zeros(q.shape, dtype=torch.float32)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     return dq, dkv, dextra
 
 

@@ -140,33 +140,58 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     return out.view(n, heads, lq, dim).permute(0, 2, 1, 3)
 
 
+@dataclass(frozen=True)
+class _Packing:
+    """Where the rows of one layer's flash-attn call come from and go to, on the rows' device.
+
+    Worked out on the host from the pack's window lengths (Python ints, no device read) and copied to
+    the device once per (pack, text length, device): the per-layer call only gathers and scatters."""
+
+    src: torch.Tensor  # packed [video_i, text] row -> row of cat([video, text])
+    video: torch.Tensor  # packed positions of the video rows, in local window order
+    text: torch.Tensor  # packed positions of each segment's text rows, segment by segment
+    cu_k: torch.Tensor  # int32 segment starts of the [video_i, text] segments, plus the total
+    cu_video: torch.Tensor  # int32 segment starts of the video-only queries, plus the total
+    max_k: int
+    max_video: int
+
+
+def _packing(pack: WindowPack, text_len: int, device) -> _Packing:
+    cache = pack.__dict__.setdefault("_varlen", {})  # lives with the pack (a runtime caches one per layout)
+    key = (int(text_len), str(device))
+    if key not in cache:
+        n_rows, src, video, text, cu_k, cu_v = pack.num_rows, [], [], [], [0], [0]
+        start = 0
+        for n in pack.lengths:
+            at = cu_k[-1]
+            src += list(range(start, start + n)) + list(range(n_rows, n_rows + text_len))
+            video += list(range(at, at + n))
+            text += list(range(at + n, at + n + text_len))
+            cu_k.append(at + n + text_len)
+            cu_v.append(cu_v[-1] + n)
+            start += n
+        as_dev = lambda v, dt=torch.int64: torch.tensor(v, dtype=dt).to(device)  # noqa: E731
+        cache[key] = _Packing(as_dev(src), as_dev(video), as_dev(text), as_dev(cu_k, torch.int32), as_dev(cu_v, torch.int32),
+                              max(pack.lengths, default=0) + text_len, max(pack.lengths, default=0))
+    return cache[key]
+
+
 def _varlen(q, k, v, tq, tk, tv, pack, rope):
-    """One packed flash-attn call; segments are [window video, text] back to back."""
+    """One packed flash-attn call; segments are [window video, text] back to back. No host sync: the
+    packing is cached per layout (:func:`_packing`)."""
     n_rows, heads, dim = q.shape
-    L, dev = tk.shape[0], q.device
+    L = tk.shape[0]
     if rope is not None:  # rotate video q/k per window shape (positions are window-local)
         q, k = q.clone(), k.clone()
         for shape, idx, n in pack.groups:
             for t in (q, k):
                 t.index_copy_(0, idx, rope(t.index_select(0, idx).view(n, -1, heads, dim), shape).flatten(0, 1))
-    lens = torch.tensor(pack.lengths, device=dev)
-    kv_lens = lens + L
-    # Packed row -> source row in cat([video, text]).
-    seg = torch.repeat_interleave(torch.arange(len(lens), device=dev), kv_lens)
-    start = torch.cumsum(kv_lens, 0) - kv_lens
-    pos = torch.arange(int(kv_lens.sum()), device=dev) - start[seg]
-    vid_start = torch.cumsum(lens, 0) - lens
-    is_vid = pos < lens[seg]
-    src = torch.where(is_vid, vid_start[seg] + pos, n_rows + pos - lens[seg])
-    cu_k = F.pad(torch.cumsum(kv_lens, 0), (1, 0)).to(torch.int32)
-    kp, vp = torch.cat([k, tk]).index_select(0, src), torch.cat([v, tv]).index_select(0, src)
-    if tq is not None:
-        qp, cu_q, q_lens = torch.cat([q, tq]).index_select(0, src), cu_k, kv_lens
-    else:  # video queries only
-        qp, cu_q, q_lens = q, F.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32), lens
-    o = flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, int(q_lens.max()), int(kv_lens.max()), causal=False)
-    if tq is None:
-        return o, None
-    out = o[is_vid]
-    txt = o[~is_vid].view(len(lens), L, heads, dim).double().sum(0)
+    pk = _packing(pack, L, q.device)
+    kp, vp = torch.cat([k, tk]).index_select(0, pk.src), torch.cat([v, tv]).index_select(0, pk.src)
+    if tq is None:  # video queries only
+        return flash_attn_varlen_func(q, kp, vp, pk.cu_video, pk.cu_k, pk.max_video, pk.max_k, causal=False), None
+    qp = torch.cat([q, tq]).index_select(0, pk.src)
+    o = flash_attn_varlen_func(qp, kp, vp, pk.cu_k, pk.cu_k, pk.max_k, pk.max_k, causal=False)
+    out = o.index_select(0, pk.video)
+    txt = o.index_select(0, pk.text).view(len(pack.lengths), L, heads, dim).double().sum(0)
     return out, txt

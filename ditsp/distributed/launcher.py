@@ -108,7 +108,11 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> RankC
     """Join the job ``torchrun`` describes (RANK, WORLD_SIZE, MASTER_ADDR...).
 
     NCCL when CUDA is available, else gloo. The returned group is WORLD, passed
-    on explicitly; build sub-groups with :mod:`ditsp.config`.
+    on explicitly; build sub-groups with :mod:`ditsp.config`. Under NCCL the rank's device
+    (``LOCAL_RANK``) is set before any CUDA work and the group is bound to it (its communicator
+    made at once, so a broken link fails here); a collective past ``timeout_s`` or an NCCL error
+    ends the rank's process (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, torch's default, pinned
+    unless the user set it) instead of leaving it hung.
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RuntimeError("init_from_env needs torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT variables")
@@ -120,7 +124,10 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> RankC
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        nccl = {"device_id": device} if backend == "nccl" and device.type == "cuda" else {}
+        if nccl:
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **nccl)
     return RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, device)
 
 

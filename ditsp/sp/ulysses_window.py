@@ -50,7 +50,7 @@ class UlyssesWindowRuntime(ScheduleRuntime):
         self.row_start = sum(self.rows[: self.rank])
         self.heads = head_plan(heads, heads, self.world_size)
         self.current: str | None = None
-        self._orders: dict = {}  # method -> canonical rows in window order
+        self._orders: dict = {}  # (method, device) -> canonical rows in window order; "own" -> the shards
 
     @property
     def head_shares(self) -> list[int]:
@@ -100,7 +100,7 @@ class UlyssesWindowRuntime(ScheduleRuntime):
         ranges = [self.heads.q] * 3
         q_, k_, v_ = (t[0].transpose(0, 1) for t in seq_to_head(
             self.transport, [q[None], k[None], v[None]], ranges, self.rows, kind="ulysses_qkv"))
-        order = self._order(self.current)
+        order = self._order(self.current, q_.device)
         q_, k_, v_ = (t.index_select(0, order) for t in (q_, k_, v_))
         heads = slice(h0, h1)
         out, tsum = window_attention(q_, k_, v_, None if tq is None else tq[:, heads], tk[:, heads], tv[:, heads],
@@ -114,8 +114,10 @@ class UlyssesWindowRuntime(ScheduleRuntime):
             tsum = torch.cat(parts).transpose(0, 1)
         return out, tsum
 
-    def _order(self, method: str) -> torch.Tensor:
-        """Canonical rows -> all windows of ``method``'s layout back to back (cached)."""
-        if method not in self._orders:
-            self._orders[method] = torch.from_numpy(self.schedule.plans[method].layout.token_ids.copy())
-        return self._orders[method]
+    def _order(self, method: str, device) -> torch.Tensor:
+        """Canonical rows -> all windows of ``method``'s layout back to back (cached per device: an index
+        on the rows' device, copied there once, not in every layer)."""
+        key = (method, str(device))
+        if key not in self._orders:
+            self._orders[key] = torch.from_numpy(self.schedule.plans[method].layout.token_ids.copy()).to(device)
+        return self._orders[key]

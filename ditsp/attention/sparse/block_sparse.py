@@ -62,7 +62,7 @@ def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvalid: torch
         n = rows.numel()
         S = int(counts[rows].max())
         sel = cols[rows, :S] + base[rows, None]
-        sel = torch.where(torch.arange(S) < counts[rows, None], sel, torch.full_like(sel, M))
+        sel = torch.where(torch.arange(S, device=sel.device) < counts[rows, None], sel, torch.full_like(sel, M))
         if impl == "sdpa":
             flat = sel.reshape(-1)
             kk = kp.index_select(0, flat).view(n, 1, S * b, D)
@@ -73,9 +73,9 @@ def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvalid: torch
             out[rows] = o[:, 0]
             continue
         qc = q[rows].to(f32) * scale
-        m = torch.full((n, b, 1), float("-inf"), dtype=f32)
-        l = torch.zeros((n, b, 1), dtype=f32)
-        acc = torch.zeros((n, b, D), dtype=f32)
+        m = torch.full((n, b, 1), float("-inf"), dtype=f32, device=q.device)
+        l = torch.zeros((n, b, 1), dtype=f32, device=q.device)
+        acc = torch.zeros((n, b, D), dtype=f32, device=q.device)
         for j0 in range(0, S, kv_blocks_per_step):
             ids = sel[:, j0 : j0 + kv_blocks_per_step]
             st = ids.shape[1]

@@ -39,6 +39,7 @@ import torch
 from ...distributed.agree import agree
 from ...distributed.comm import Comm, CommStats
 from ...distributed.transport import Transport
+from ..common import gather_lens
 from ..ulysses import head_plan, head_to_seq, seq_to_head
 from .balance import MigrationPlan, plan_migrations
 from .block_sparse import block_sparse_attention, sparse_rows
@@ -186,10 +187,7 @@ class SparseUlysses:
     # -- pieces --------------------------------------------------------------
 
     def _lens(self, n: int) -> list[int]:
-        if self.comm.world_size == 1:
-            return [n]
-        t = torch.tensor([n], dtype=torch.int64)
-        return [int(x) for x in self.comm.all_gather_rows(t, [1] * self.comm.world_size, kind="lengths")]
+        return gather_lens(self.comm, n)
 
     def _post_inputs(self, plan: MigrationPlan, qf, kf, vf, mask, qlo, B, nb, R):
         """Post the sends of migrated rows and the receives of rows to compute here (before local compute)."""

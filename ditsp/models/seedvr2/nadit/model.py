@@ -191,10 +191,11 @@ class NaDiT(nn.Module):
 def init_random_(model: NaDiT, seed: int = 0, std: float = 0.05) -> NaDiT:
     """Seeded weights, identical on every rank: ``std * randn`` everywhere, except
     RMSNorm weights and AdaSingle scales/gates, ``1 + std * randn`` (so every block
-    visibly changes the residual stream, as in the reference vectors)."""
-    g = torch.Generator().manual_seed(seed)
+    visibly changes the residual stream, as in the reference vectors). Drawn on the parameters' device
+    (a model made there with ``to_empty``: no host copy of a 3B's weights), so the bits follow the device."""
+    g = torch.Generator(next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
-        r = torch.randn(p.shape, generator=g) * std
+        r = torch.randn(p.shape, generator=g, device=p.device) * std
         unit = name.endswith(("_scale", "_gate")) or ".norm_" in name or name.startswith("vid_out_norm.")
         p.copy_(r + 1.0 if unit else r)
     return model

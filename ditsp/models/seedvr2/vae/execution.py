@@ -553,7 +553,7 @@ class Exec:
         stats_len = max(counts) * per_row
         xm = x.movedim(3, 0)  # (h, B, C, T, W) view
         row_bytes = math.prod(xm.shape[1:]) * x.element_size()
-        payload = torch.zeros(stats_len + 2 * slot * row_bytes, dtype=torch.uint8)
+        payload = torch.zeros(stats_len + 2 * slot * row_bytes, dtype=torch.uint8, device=x.device)
         payload[:h * per_row] = both.view(-1).view(torch.uint8)
         border = payload[stats_len:].view(x.dtype).view((2 * slot,) + tuple(xm.shape[1:]))
         if to_prev:

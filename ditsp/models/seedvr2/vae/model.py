@@ -114,7 +114,7 @@ class Posterior:
         """mean + std * noise; ``noise`` defaults to a standard normal draw of the mean's shape."""
         if noise is None:
             noise = torch.randn(self.mean.shape, generator=generator, dtype=self.mean.dtype, device=self.mean.device)
-        return self.mean + self.std * noise.to(self.mean.dtype)
+        return self.mean + self.std * noise.to(device=self.mean.device, dtype=self.mean.dtype)  # CPU draws too
 
     def mode(self) -> torch.Tensor:
         return self.mean
