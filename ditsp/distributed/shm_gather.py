@@ -166,14 +166,13 @@ class ShmGather:
                 pass
 
     def _wait(self, peer: int, column: int, value: int, deadline: float, what: str) -> None:
-        counters, checks = self.counters, 0
-        if counters[peer, column] >= value:
-            return
-        with waiting():  # a spin, not progress: the launcher's stuck-rank check does not count its CPU time
+        counters = self.counters
+        for checks in range(_SPIN):  # a short wait spins only (most end here)
+            if counters[peer, column] >= value:
+                return
+        with waiting():  # a long one spins, yields, sleeps: not progress (the launcher's stuck check ignores its CPU)
             while counters[peer, column] < value:
                 checks += 1
-                if checks < _SPIN:
-                    continue
                 if checks % 256 == 0:
                     if not _alive(self.pids[peer]):
                         raise RuntimeError(f"rank {self.rank}: rank {peer} (pid {self.pids[peer]}) is gone, in a "
