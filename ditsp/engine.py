@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from .config import ParallelConfig
+from .distributed.torchrun import under_torchrun
 from .distributed.launcher import LocalCluster, RankContext, init_from_env
 from .fixed_shape import DEFAULT_DETERMINISTIC, shapes_for
 from .memory import PeakMemory
@@ -142,7 +143,7 @@ def dispatch(fn: Callable, *args, sp: int, threads: int = 1, timeout_s: float = 
     process where ``fork`` asks and it is safe (``launcher.fork_is_safe``): a
     command's fresh process, whose imports the ranks then need not repeat.
     """
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if under_torchrun():
         ctx = init_from_env()
         if ctx.world_size != sp:
             raise ValueError(f"--sp {sp} but torchrun started {ctx.world_size} ranks")

@@ -40,7 +40,7 @@ def no_spawn(monkeypatch):
 
 
 def test_available_bytes_shared_with_upscale():
-    from ditsp.models.seedvr2 import budget
+    from ditsp.models.seedvr2.job import budget
 
     assert budget.available_bytes is available_bytes
     assert 0 < available_bytes(4) <= available_bytes(1)
@@ -139,7 +139,7 @@ def test_plan_bad_arguments(capsys, extra, msg):
 
 
 def test_plan_plot_into_missing_folder_checked_first(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr("ditsp.models.seedvr2.plan_report.plan_request",
+    monkeypatch.setattr("ditsp.models.seedvr2.job.plan_report.plan_request",
                         lambda *a, **k: pytest.fail("planned before checking --plot"))
     err = fails(capsys, ["plan", "--grid", "5,20,36", "--sp", "2", "--plot", str(tmp_path / "no" / "p.png")])
     assert "does not exist" in err

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from ditsp.cli import main
-from ditsp.models.seedvr2.sizing import request_grid
+from ditsp.models.seedvr2.job.sizing import request_grid
 
 
 def run_json(capsys, *args):

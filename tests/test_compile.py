@@ -11,7 +11,7 @@ from ditsp.engine import RunSpec, run
 from ditsp.fixed_shape import FAST, use
 from ditsp.models.seedvr2 import compiled
 from ditsp.models.seedvr2.nadit.model import build_model, random_inputs
-from ditsp.models.seedvr2.request import Options, check
+from ditsp.models.seedvr2.job.request import Options, check
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,12 +37,11 @@ def test_compiled_upscale_at_sp2_matches_eager(clusters, tmp_path):
 
     from ditsp.io.testclip import make_test_clip
     from ditsp.io.read import read_video
-    from ditsp.models.seedvr2.restore import UpscaleRequest, rank_upscale, summarize
-    from ditsp.models.seedvr2.weights import WeightsSpec
+    from ditsp.models.seedvr2.job.restore import rank_upscale, summarize
 
     src = make_test_clip(str(tmp_path / "in.mp4"), width=32, height=32, frames=5, fps=10, audio=False)
-    req = UpscaleRequest(input=str(src), output=str(tmp_path / "eager.mp4"), weights=WeightsSpec("tiny"),
-                         area=(32, 32), progress=False, sp=2, deterministic=False, crf=0)
+    req = check(Options(input=str(src), output=str(tmp_path / "eager.mp4"), model="tiny-8x", random_weights=True,
+                        resolution="32x32", progress=False, sp=2, deterministic=False, crf=0)).req
     eager = summarize(clusters(2).run(rank_upscale, req))
     comp = summarize(clusters(2).run(rank_upscale, replace(req, output=str(tmp_path / "comp.mp4"), compile=True)))
     assert eager["compile"] == "eager"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ditsp import memory
-from ditsp.models.seedvr2.restore import _Stages
+from ditsp.models.seedvr2.job.restore import _Stages
 
 
 def test_benchmarks_settle_the_heap_and_job_stages_do_not(monkeypatch):

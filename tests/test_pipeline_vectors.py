@@ -70,10 +70,18 @@ def test_transform_size_table():
 
 
 def test_sizing_latent_grid():
+    """Latent shapes come from the VAE's config: the released one reproduces the reference's log."""
+    from ditsp.models.seedvr2.vae.config import PRESETS
+
+    released, tiny2x = PRESETS["released"], PRESETS["tiny-2x"]
     # 720x1248 at the default area: 113 frames -> latent (29, 90, 158), as in the reference log.
-    assert frame_geometry(1248, 720, area=(1280, 720)).latent_shape(113) == (29, 90, 158)
+    g = frame_geometry(1248, 720, area=(1280, 720))
+    assert released.latent_shape(padded_length(113, released.temporal_factor), *g.out_hw) == (29, 90, 158)
     g = frame_geometry(64, 48, size=(128, 96))
-    assert (g.out_width, g.out_height) == (128, 96) and g.latent_shape(1) == (1, 12, 16)
+    assert (g.out_width, g.out_height) == (128, 96) and released.latent_shape(1, *g.out_hw) == (1, 12, 16)
+    # the small restorer's VAE: 2x space, no time compression, crops to multiples of 4 (its 2x times the patch)
+    g = frame_geometry(60, 44, size=(126, 94), multiple=4)
+    assert g.out_hw == (92, 124) and tiny2x.latent_shape(padded_length(7, tiny2x.temporal_factor), *g.out_hw) == (7, 46, 62)
 
 
 def test_transform_exact_size_and_errors():

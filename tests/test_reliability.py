@@ -112,7 +112,7 @@ def test_upscale_sweeps_what_a_killed_rank_left(clip, tmp_path, capsys, monkeypa
         raise RankError("rank_upscale failed on 2 ranks: rank 0: died of SIGKILL (exit code -9)")
 
     monkeypatch.setattr(ditsp.engine, "dispatch", dies)
-    err = _err(capsys, ["upscale", clip, "-o", str(out), "--resolution", "32x32", "--sp", "2", "--no-progress"])
+    err = _err(capsys, ["upscale", "--model", "tiny-8x", "--random-weights", clip, "-o", str(out), "--resolution", "32x32", "--sp", "2", "--no-progress"])
     assert "SIGKILL" in err
     assert sorted(os.listdir(tmp_path)) == []
 
@@ -121,7 +121,7 @@ def test_upscale_sweeps_what_a_killed_rank_left(clip, tmp_path, capsys, monkeypa
 def test_signal_to_the_parent_alone_leaves_nothing_and_exits_promptly(tmp_path, sig):
     src = make_test_clip(str(tmp_path / "long.mp4"), width=32, height=32, frames=61, fps=12, audio=False)
     out = tmp_path / "o.mp4"
-    args = ["upscale", str(src), "-o", str(out), "--sp", "2",
+    args = ["upscale", "--model", "tiny-8x", "--random-weights", str(src), "-o", str(out), "--sp", "2",
             "--resolution", "48x48", "--window-frames", "5", "--overlap", "1", "--no-progress"]
     # Ctrl-C as an interactive user sends it: a test run started in the background by a non-interactive
     # shell inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
@@ -156,7 +156,7 @@ def test_check_that_fails_is_a_non_zero_exit_and_in_the_json(clip, tmp_path, cap
     monkeypatch.setattr(up, "parity_vs_one_device", lambda req, summary, threads: {
         "same_frames": False, "one_device_sha256": "0" * 64, "max_abs_diff_decoded": 45})
     out = tmp_path / "o.mp4"
-    rc = main(["upscale", clip, "-o", str(out), "--resolution", "32x32", "--check", "--json"])
+    rc = main(["upscale", "--model", "tiny-8x", "--random-weights", clip, "-o", str(out), "--resolution", "32x32", "--check", "--json"])
     captured = capsys.readouterr()
     report = json.loads(captured.out)
     assert rc == 1 and report["check"].startswith("failed: SP=1 frames differ") and "45" in report["check"]
@@ -165,7 +165,7 @@ def test_check_that_fails_is_a_non_zero_exit_and_in_the_json(clip, tmp_path, cap
 
 
 def test_check_that_passes(clip, tmp_path, capsys):
-    rc = main(["upscale", clip, "-o", str(tmp_path / "o.mp4"), "--resolution", "32x32", "--check", "--json"])
+    rc = main(["upscale", "--model", "tiny-8x", "--random-weights", clip, "-o", str(tmp_path / "o.mp4"), "--resolution", "32x32", "--check", "--json"])
     assert rc == 0 and json.loads(capsys.readouterr().out)["check"] == "passed"
 
 
@@ -203,7 +203,7 @@ def test_checkpoint_errors_name_the_problem_under_sp(clip, tmp_path, capsys):
     sd[first][0] = float("nan")
     bad = tmp_path / "nan.safetensors"
     save_file(sd, str(bad))
-    err = _err(capsys, ["upscale", clip, "-o", str(tmp_path / "o.mp4"), "--dit", str(bad), "--sp", "2",
+    err = _err(capsys, ["upscale", "--model", "tiny-8x", "--random-weights", clip, "-o", str(tmp_path / "o.mp4"), "--dit", str(bad), "--sp", "2",
                         "--resolution", "32x32", "--no-progress"])
     assert "does not match the model" in err and "non-finite" in err and first in err, err
     assert not [f for f in os.listdir(tmp_path) if f != "nan.safetensors"]
@@ -212,7 +212,7 @@ def test_checkpoint_errors_name_the_problem_under_sp(clip, tmp_path, capsys):
 def test_a_pickled_vae_is_refused_without_unsafe_advice(clip, tmp_path, capsys):
     bad = tmp_path / "vae.pth"
     torch.save({"x": Payload()}, bad)
-    err = _err(capsys, ["upscale", clip, "-o", str(tmp_path / "o.mp4"), "--vae", str(bad),
+    err = _err(capsys, ["upscale", "--model", "tiny-8x", "--random-weights", clip, "-o", str(tmp_path / "o.mp4"), "--vae", str(bad),
                         "--resolution", "32x32", "--no-progress"])
     assert "vae.pth: unreadable checkpoint" in err and "weights_only" not in err and len(err.strip().splitlines()) == 1, err
 
@@ -238,7 +238,7 @@ def test_rank_counts_are_bounded_even_with_force(clip, tmp_path, capsys):
     t0 = time.monotonic()
     with pytest.raises(ValueError, match=f"world_size {n}: {n} local ranks"):
         LocalCluster(n)
-    err = _err(capsys, ["upscale", clip, "-o", str(tmp_path / "o.mp4"), "--sp", str(n), "--force",
+    err = _err(capsys, ["upscale", "--model", "tiny-8x", "--random-weights", clip, "-o", str(tmp_path / "o.mp4"), "--sp", str(n), "--force",
                         "--no-progress"])
     assert f"--sp {n}: {n} local ranks" in err and "--force does not override" in err
     with pytest.raises(SystemExit) as e:
@@ -311,7 +311,7 @@ def test_a_frame_folder_with_one_odd_frame_is_refused_before_any_work(tmp_path, 
         raise AssertionError("ranks started before the input was checked")
 
     monkeypatch.setattr(ditsp.engine, "dispatch", boom)
-    err = _err(capsys, ["upscale", str(folder), "-o", str(tmp_path / "o.mp4"), "--resolution", "32x32",
+    err = _err(capsys, ["upscale", "--model", "tiny-8x", "--random-weights", str(folder), "-o", str(tmp_path / "o.mp4"), "--resolution", "32x32",
                         "--window-frames", "5", "--overlap", "1", "--no-progress"])
     assert "f07.png: is 32x48 but the first frame is 32x32" in err, err  # W x H
 
@@ -359,7 +359,7 @@ def test_rotation_is_applied(tmp_path, capsys):
     want = torch.rot90(_corner_frames()[0].float().mean(-1), 1, dims=(0, 1))  # 90 degrees counter-clockwise
     assert (first - want).abs().mean() < 8
     out = tmp_path / "o.mp4"
-    assert main(["upscale", src, "-o", str(out), "--scale", "1", "--json"]) == 0
+    assert main(["upscale", "--model", "tiny-8x", "--random-weights", src, "-o", str(out), "--scale", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert probe(out).size == (32, 48) and any("rotation 90" in m for m in report["media_notes"])
 
@@ -371,7 +371,7 @@ def test_variable_frame_rate_keeps_each_frames_time(tmp_path, capsys):
     src = _write_clip(tmp_path / "vfr.mp4", _corner_frames(len(times), 32, 32), times=times, rate=20)
     assert frame_times(src) == pytest.approx(times, abs=1e-3)
     out = tmp_path / "o.mp4"
-    assert main(["upscale", src, "-o", str(out), "--resolution", "32x32", "--json"]) == 0
+    assert main(["upscale", "--model", "tiny-8x", "--random-weights", src, "-o", str(out), "--resolution", "32x32", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert frame_times(out) == pytest.approx(times, abs=2e-3)  # before: re-timed to a constant rate
     assert any("each frame's time kept" in m for m in report["media_notes"])
@@ -385,7 +385,7 @@ def test_a_gif_keeps_its_frame_delays(tmp_path):
     gif_times = frame_times(src)
     assert gif_times is not None  # centisecond delays: 4 and 5, a mean of 24 fps (the container says 25)
     out = tmp_path / "o.mp4"
-    assert main(["upscale", src, "-o", str(out), "--resolution", "32x32", "--no-progress"]) == 0
+    assert main(["upscale", "--model", "tiny-8x", "--random-weights", src, "-o", str(out), "--resolution", "32x32", "--no-progress"]) == 0
     assert frame_times(out) == pytest.approx(gif_times, abs=2e-3)
     assert probe(out).frames == 24
 

@@ -13,7 +13,8 @@ from ditsp.dtypes import DTYPES
 from ditsp.io import formats
 from ditsp.io.testclip import make_test_clip
 from ditsp.io.probe import count_frames, probe
-from ditsp.models.seedvr2 import presets, request
+from ditsp.models.seedvr2 import presets
+from ditsp.models.seedvr2.job import request
 from ditsp.models.seedvr2.pipeline import color_fix
 from ditsp.models.seedvr2.vae import modes
 from ditsp.weights.fp8 import WEIGHTS_DTYPES
@@ -62,7 +63,7 @@ def test_one_dtype_default_rule():
 
     for model in presets.MODELS:
         want = presets.default_dtype(model)
-        assert Settings(data_dir="x", model=model).weights.dtype == want
+        assert Settings(data_dir="x", model=model, random_weights=True).weights.dtype == want
     assert presets.default_dtype("seedvr2-3b") == "bf16" and presets.default_dtype("tiny") == "fp32"
 
 
@@ -75,7 +76,7 @@ def clip(tmp_path_factory):
 def test_upscale_writes_every_offered_video_format(clip, tmp_path, capsys, ext):
     """`ditsp upscale in.mp4 -o out.EXT` for every extension the request offers: a real file, same frames."""
     out = tmp_path / f"out{ext}"
-    rc = main(["upscale", clip, "-o", str(out), "--resolution", "32x32", "--json", "--no-progress"])
+    rc = main(["upscale", "--model", "tiny-8x", "--random-weights", clip, "-o", str(out), "--resolution", "32x32", "--json", "--no-progress"])
     assert rc == 0, capsys.readouterr().err
     got = probe(out)
     assert (got.width, got.height, got.has_audio) == (32, 32, True) and count_frames(out) == 5
@@ -85,12 +86,14 @@ def test_server_job_options_check_like_the_cli(clip, tmp_path):
     from ditsp.serve.app import Settings, job_options
 
     for fmt in ("m4v", "mkv"):
-        o = job_options(Settings(data_dir=str(tmp_path)), clip, str(tmp_path / f"r.{fmt}"),
+        o = job_options(Settings(data_dir=str(tmp_path), model="tiny-8x", random_weights=True), clip,
+                        str(tmp_path / f"r.{fmt}"),
                         request.parse_http_options({"format": fmt, "resolution": "32x32"}))
         c = request.check(o)
         assert c.req.output.endswith(fmt) and c.req.weights.dtype == "fp32" and not c.req.progress
     with pytest.raises(ValueError, match="needs an output ending in"):
-        request.check(request.Options(input=clip, output=str(tmp_path / "r.png")))
+        request.check(request.Options(input=clip, output=str(tmp_path / "r.png"), model="tiny-8x",
+                                      random_weights=True))
 
 
 def test_weights_read_travels_from_the_flag_to_the_weights_spec():

@@ -15,8 +15,8 @@ from ditsp.io.testclip import make_test_clip
 from ditsp.io.probe import probe
 from ditsp.io.read import read_video
 from ditsp.io.write import write_image
-from ditsp.models.seedvr2.restore import UpscaleRequest, format_report, rank_upscale, summarize
-from ditsp.models.seedvr2.weights import WeightsSpec
+from ditsp.models.seedvr2.job.request import Options, check
+from ditsp.models.seedvr2.job.restore import format_report, rank_upscale, summarize
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -27,19 +27,27 @@ def clip(tmp_path_factory):
     return str(make_test_clip(str(d / "in.mp4"), width=48, height=32, frames=9, fps=12, audio=True))
 
 
-def request(inp, out, **kw) -> UpscaleRequest:
-    base = dict(weights=WeightsSpec("tiny"), area=(64, 48), progress=False, vae_mode="auto")
-    base.update(kw)
-    return UpscaleRequest(input=str(inp), output=str(out), **base)
+def request(inp, out, handoff: bool = True, **kw):
+    """A restoration's options (the tiny seeded models) and how its request is run: ``run_on`` plans it for
+    each degree through the request's own check."""
+    o = Options(input=str(inp), output=str(out), model="tiny-8x", random_weights=True, resolution="64x48",
+                progress=False, overwrite=True)
+    for k, v in kw.items():
+        setattr(o, k, v)
+    return o, handoff
 
 
-def run_on(clusters, sp, req):
+def run_on(clusters, sp, job):
+    o, handoff = job
+    o = replace(o, sp=sp)
+    req = replace(check(o).req, handoff=handoff)
+    assert req.plan.sp == sp
     if sp == 1:
         from ditsp.distributed.launcher import RankContext
 
         torch.set_num_threads(1)  # as every rank: bitwise equality holds per thread count
-        return summarize([rank_upscale(RankContext(0, 1, None, torch.device("cpu")), replace(req, sp=1))])
-    return summarize(clusters(sp).run(rank_upscale, replace(req, sp=sp)))
+        return summarize([rank_upscale(RankContext(0, 1, None, torch.device("cpu")), req)])
+    return summarize(clusters(sp).run(rank_upscale, req))
 
 
 @pytest.mark.bitwise
@@ -58,7 +66,7 @@ def test_same_bytes_at_every_sp_degree(clusters, clip, tmp_path):
 def test_windows_cover_the_clip_and_blend(clusters, tmp_path):
     """A clip longer than a window: every frame written once, windows cross-faded, same bytes at SP 1 and 2."""
     src = make_test_clip(str(tmp_path / "long.mp4"), width=32, height=32, frames=21, fps=10, audio=False)
-    reqs = {sp: request(src, tmp_path / f"long{sp}.mp4", window_frames=9, overlap=4, area=(32, 32), deterministic=True)
+    reqs = {sp: request(src, tmp_path / f"long{sp}.mp4", window_frames=9, overlap=4, resolution="32x32", deterministic=True)
             for sp in (1, 2)}
     r1, r2 = (run_on(clusters, sp, reqs[sp]) for sp in (1, 2))
     wins = [tuple(w) for w in r1["windows"]]
@@ -75,7 +83,7 @@ def test_image_in_png_out(tmp_path, capsys):
     img = tmp_path / "in.png"
     write_image(img, torch.randint(0, 255, (40, 56, 3), dtype=torch.uint8))
     out = tmp_path / "out.png"
-    assert main(["upscale", str(img), "-o", str(out), "--scale", "1", "--no-progress"]) == 0
+    assert main(["upscale", "--model", "tiny-8x", "--random-weights", str(img), "-o", str(out), "--scale", "1", "--no-progress"]) == 0
     info = probe(out)
     assert info.kind == "image" and info.size == (48, 32)  # 56x40 cropped to multiples of 16
     assert "encoded in a thread of their own" not in capsys.readouterr().out  # an image is written at once
@@ -87,7 +95,7 @@ def test_folder_of_frames_and_json_report(tmp_path, capsys):
     for i in range(5):
         write_image(folder / f"f{i + 1}.png", torch.full((32, 32, 3), 40 * i, dtype=torch.uint8))
     out = tmp_path / "out.mp4"
-    assert main(["upscale", str(folder), "-o", str(out), "--resolution", "32x32", "--json"]) == 0
+    assert main(["upscale", "--model", "tiny-8x", "--random-weights", str(folder), "-o", str(out), "--resolution", "32x32", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["frames_written"] == 5 and probe(out).frames == 5 and report["written_behind"]
     assert set(report["stage_s"]) == {"read", "vae_encode", "dit", "vae_decode", "color_fix", "write"}
@@ -101,12 +109,12 @@ def test_folder_of_frames_and_json_report(tmp_path, capsys):
 
 def test_plot_written(clip, tmp_path):
     out, png = tmp_path / "o.mp4", tmp_path / "o.png"
-    assert main(["upscale", clip, "-o", str(out), "--resolution", "64x48", "--plot", str(png), "--no-progress"]) == 0
+    assert main(["upscale", "--model", "tiny-8x", "--random-weights", clip, "-o", str(out), "--resolution", "64x48", "--plot", str(png), "--no-progress"]) == 0
     assert png.stat().st_size > 10_000
 
 
 def _err(capsys, argv) -> str:
-    rc = main(["upscale", *argv, "--no-progress"])
+    rc = main(["upscale", "--model", "tiny-8x", "--random-weights", *argv, "--no-progress"])
     err = capsys.readouterr().err.strip()
     assert rc != 0 and err.startswith("ditsp upscale: error:") and "\n" not in err, err
     return err
@@ -150,9 +158,9 @@ def test_mismatched_checkpoint_fails_cleanly(clip, tmp_path, capsys):
 @pytest.mark.parametrize("sp", [2, 3])
 def test_height_sharded_vae_hands_slabs_to_the_dit(clusters, clip, tmp_path, sp):
     """Slabs straight to the windows and back give the same frames as gathering the latent, with fewer bytes."""
-    base = request(clip, tmp_path / "h.mp4", vae_mode="height", overwrite=True, deterministic=True)
-    direct = run_on(clusters, sp, base)
-    gathered = run_on(clusters, sp, replace(base, handoff=False))
+    direct = run_on(clusters, sp, request(clip, tmp_path / "h.mp4", vae_mode="height", deterministic=True))
+    gathered = run_on(clusters, sp, request(clip, tmp_path / "h.mp4", vae_mode="height", deterministic=True,
+                                            handoff=False))
     assert direct["sha256"] == gathered["sha256"]
     assert "output_gather" not in direct["collectives"] or (
         direct["collectives"]["output_gather"]["calls"] < gathered["collectives"]["output_gather"]["calls"])
@@ -165,7 +173,7 @@ def test_one_reader_loads_the_same_weights_as_every_rank(clusters, clip, tmp_pat
     from pathlib import Path
 
     tiny = Path(__file__).resolve().parents[1] / "weights" / "tiny"
-    spec = {read: WeightsSpec("tiny", dit=str(tiny / "dit.safetensors"), vae=str(tiny / "vae.safetensors"), read=read)
-            for read in ("every-rank", "one-reader")}
-    out = {read: run_on(clusters, 2, request(clip, tmp_path / f"{read}.mp4", weights=s)) for read, s in spec.items()}
+    files = dict(dit=str(tiny / "dit.safetensors"), vae=str(tiny / "vae.safetensors"), random_weights=False)
+    out = {read: run_on(clusters, 2, request(clip, tmp_path / f"{read}.mp4", weights_read=read, **files))
+           for read in ("every-rank", "one-reader")}
     assert out["every-rank"]["sha256"] == out["one-reader"]["sha256"]

@@ -125,7 +125,7 @@ def test_winograd_filters_are_the_caches_an_encode_and_decode_build(monkeypatch,
 
 
 def test_winograd_filters_counted_only_where_they_are_built(monkeypatch):
-    from ditsp.models.seedvr2.budget import estimate as job_estimate, suggestions
+    from ditsp.models.seedvr2.job.budget import estimate as job_estimate, suggestions
     from ditsp.models.seedvr2.vae import winograd
     from ditsp.models.seedvr2.vae.memory import counts_winograd
 
@@ -160,7 +160,7 @@ def test_the_backend_says_whether_convs_reorder_through_a_buffer(monkeypatch):
 
 
 def test_the_pre_flight_estimate_counts_the_deterministic_cpu_convs_copies():
-    from ditsp.models.seedvr2.budget import estimate as job_estimate
+    from ditsp.models.seedvr2.job.budget import estimate as job_estimate
 
     args = ("seedvr2-3b", "bf16", 17, (256, 256), 2, "height")
     plain, fixed_shape = job_estimate(*args), job_estimate(*args, vae_backend="cpu-deterministic")

@@ -9,7 +9,7 @@ import torch
 from ditsp.distributed.launcher import LocalCluster, RankContext
 from ditsp.engine import RunSpec, rank_forward
 from ditsp.models.seedvr2.nadit.config import get_config
-from ditsp.models.seedvr2.plan_report import memory_estimate, plan_request
+from ditsp.models.seedvr2.job.plan_report import memory_estimate, plan_request
 
 GRID = (5, 20, 36)
 SPEC = RunSpec("small", GRID, 1, layers=2, warmup=1, repeats=1, exact_memory=True, deterministic=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import replace
 
 import pytest
 import torch
@@ -78,8 +77,8 @@ def test_a_failing_write_fails_the_restoration_and_leaves_no_file(tmp_path, monk
     """A write error in the thread surfaces in the job (at the next window boundary or the end), which then
     removes its partial output: the job fails as it did when rank 0 wrote in its own thread."""
     from ditsp.distributed.launcher import RankContext
-    from ditsp.models.seedvr2.restore import UpscaleRequest, rank_upscale
-    from ditsp.models.seedvr2.weights import WeightsSpec
+    from ditsp.models.seedvr2.job.request import Options, check
+    from ditsp.models.seedvr2.job.restore import rank_upscale
 
     src = make_test_clip(str(tmp_path / "in.mp4"), width=32, height=32, frames=21, fps=10, audio=False)
     calls = []
@@ -94,10 +93,10 @@ def test_a_failing_write_fails_the_restoration_and_leaves_no_file(tmp_path, monk
     monkeypatch.setattr(VideoWriter, "write", fails_second)
     out = tmp_path / "out" / "o.mp4"
     out.parent.mkdir()
-    req = UpscaleRequest(input=str(src), output=str(out), weights=WeightsSpec("tiny"), area=(32, 32),
-                         progress=False, window_frames=9, overlap=4)
+    req = check(Options(input=str(src), output=str(out), model="tiny-8x", random_weights=True, resolution="32x32",
+                        progress=False, window_frames=9, overlap=4)).req
     torch.set_num_threads(1)
     with pytest.raises(OSError, match="No space left"):
-        rank_upscale(RankContext(0, 1, None, torch.device("cpu")), replace(req, sp=1))
+        rank_upscale(RankContext(0, 1, None, torch.device("cpu")), req)
     assert calls[:2] == ["ditsp-write-behind"] * 2  # written behind, not by the restoring thread
     assert os.listdir(out.parent) == []

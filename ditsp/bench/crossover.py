@@ -128,7 +128,7 @@ def _plot(out: str, ana: list[dict]) -> None:
 
 
 def main(args, parser=None) -> int:
-    from ..models.seedvr2.sizing import parse_grid
+    from ..models.seedvr2.job.sizing import parse_grid
 
     os.makedirs(args.out, exist_ok=True)
     text = write(args.out, analytical(),

@@ -54,7 +54,7 @@ def _wait(pred, timeout: float, what: str):
 
 
 def _job(store, spec, sp: int, clip: str, out_dir: str) -> None:
-    from ..models.seedvr2.request import check
+    from ..models.seedvr2.job.request import check
     from ..serve.app import Settings, job_options
     from ..serve.store import new_id
 
@@ -74,7 +74,7 @@ def _job(store, spec, sp: int, clip: str, out_dir: str) -> None:
 def cold_restart(spec, ranks: int, grids: list, planner: str = "lpt") -> dict:
     """Spawn ``ranks`` fresh workers, form their group, build the weights, plan: each part timed."""
     from ..distributed.launcher import loopback_store
-    from ..serve.workers import Worker, call
+    from ..serve.handles import Worker, call
 
     t0 = time.monotonic()
     store, (_, port) = loopback_store(1, 120)

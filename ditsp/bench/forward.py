@@ -75,7 +75,7 @@ def measure(spec: RunSpec, sps: list[int], threads: int = 1, timeout_s: float = 
         rows.append(_row(_label(path, planner), sp, results, spec.grid, planner if path == "window" else None))
     single = rows[0]["time_s"]
     from ..models.seedvr2.nadit.config import get_config
-    from ..models.seedvr2.plan_report import memory_estimate
+    from ..models.seedvr2.job.plan_report import memory_estimate
 
     cfg = get_config(spec.model, spec.layers)
     for r in rows:
@@ -95,7 +95,7 @@ def measure(spec: RunSpec, sps: list[int], threads: int = 1, timeout_s: float = 
 def analytical(sps=(2, 4, 8)) -> list[dict]:
     """Bytes per forward of the full 3B (bf16) for each path, 720p-4K at 81 frames."""
     from ..models.seedvr2.nadit.config import SEEDVR2_3B
-    from ..models.seedvr2.plan_report import plan_request, summarize
+    from ..models.seedvr2.job.plan_report import plan_request, summarize
 
     rows = []
     for name, grid in RESOLUTIONS.items():
@@ -147,7 +147,7 @@ def _est(r) -> str:
 def memory_table(sps=(2, 4, 8)) -> str:
     """Per-rank memory of the released 3B under window SP (locality, bf16, rows feed): the estimate of `ditsp plan`."""
     from ..models.seedvr2.nadit.config import SEEDVR2_3B
-    from ..models.seedvr2.plan_report import memory_estimate, plan_request
+    from ..models.seedvr2.job.plan_report import memory_estimate, plan_request
 
     g = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
     lines = ["| request (81 frames) | SP | tokens (max rank) | weights GiB | MLP GiB | attention GiB | exchange GiB "
@@ -228,7 +228,7 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace, parser=None) -> int:
     from ..argtypes import check_layers, check_output_folder
-    from ..models.seedvr2.sizing import parse_grid
+    from ..models.seedvr2.job.sizing import parse_grid
 
     def fail(msg: str):
         if parser is not None:

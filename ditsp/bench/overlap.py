@@ -146,7 +146,7 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace, parser=None) -> int:
-    from ..models.seedvr2.sizing import parse_grid
+    from ..models.seedvr2.job.sizing import parse_grid
 
     grid = parse_grid(args.grid)
     row = None if args.analytical_only else measure(args.model, grid, args.layers, args.sp, args.planner,

@@ -17,7 +17,7 @@ from ..argtypes import (  # noqa: F401 - the argument types live in ditsp.argtyp
     positive_int_list,
 )
 from ..fixed_shape import DEFAULT_DETERMINISTIC
-from ..models.seedvr2.sizing import parse_grid, parse_resolution, request_grid
+from ..models.seedvr2.job.sizing import parse_grid, parse_resolution, request_grid
 
 
 def check_planner(parser: argparse.ArgumentParser, name: str, allow_all: bool = False) -> None:

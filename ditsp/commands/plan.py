@@ -32,7 +32,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..models.seedvr2.plan_report import format_summary, plan_request, summarize
+    from ..models.seedvr2.job.plan_report import format_summary, plan_request, summarize
     from ..windows.planners import planner_names
     from ..windows.schedule import plan_limits
 
@@ -44,7 +44,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     planners = planner_names() if args.planner == "all" else [args.planner]
     for name in planners:  # every refusal before any planning
         check_plan_size(parser, args, grid, cfg, args.sp, name, REPORT_BYTES_PER_PAIR)
-    from ..models.seedvr2.weight_memory import dit_weights
+    from ..models.seedvr2.job.weight_memory import dit_weights
 
     weights = None if args.weights_dtype == "bf16" else dit_weights(args.model, "bf16", fmt=args.weights_dtype,
                                                                    layers=args.layers)

@@ -99,7 +99,7 @@ def estimate_rank_memory(cfg, dtype: str, grid, sp: int, checkpoint: str | None,
         except ValueError:
             pass  # an unreadable file fails with its own message when the ranks load it
     elif weights_dtype:
-        from ..models.seedvr2.weight_memory import dit_shapes
+        from ..models.seedvr2.job.weight_memory import dit_shapes
 
         weights = by_format(dict(dit_shapes(cfg.name, cfg.num_layers)) if cfg.name in PRESETS else {}, weights_dtype,
                             dtype).total or weights

@@ -12,6 +12,7 @@ import ipaddress
 import os
 import socket
 import sys
+import threading
 
 from ..dtypes import NAMES as DTYPE_NAMES
 from ..models.seedvr2.presets import MODELS
@@ -25,6 +26,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description=__doc__.splitlines()[0])
     p.add_argument("--sp", type=int, default=1, help="ranks of the SP group (local worker processes)")
     p.add_argument("--model", default="tiny", choices=list(MODELS))
+    p.add_argument("--random-weights", action="store_true",
+                   help="seeded random weights where no checkpoint is given (a smoke test, not a restoration)")
     p.add_argument("--dit", metavar="CKPT", help="DiT checkpoint")
     p.add_argument("--vae", metavar="CKPT", help="VAE checkpoint")
     p.add_argument("--text-embedding", metavar="FILE", help="text embedding, e.g. pos_emb.pt")
@@ -32,6 +35,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--weights-read", default=None, choices=WEIGHTS_READS,
                    help="how the ranks read the checkpoints: every-rank (default) or one-reader (see `ditsp upscale`)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="another name requests may carry in their Host header (repeatable; '*': any). Default: the "
+                        "--host address, and localhost/127.0.0.1/::1 on loopback; a wildcard --host takes any")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web page origin (https://app.example:8443) allowed to call the API from a browser "
+                        "(repeatable; default: none, cross-origin requests are refused)")
     p.add_argument("--port", type=int, default=8189, help="port (0: any free port; the URL is printed)")
     p.add_argument("--token-file", metavar="F", help="file holding the bearer token every request must carry")
     p.add_argument("--data-dir", default="ditsp-serve", metavar="D", help="jobs database, uploads and results")
@@ -39,8 +48,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="a folder whose files jobs may name by path (repeatable; default: uploads only)")
     p.add_argument("--max-upload-mb", type=float, default=512.0, metavar="M", help="largest upload accepted")
     p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck collective fails")
-    p.add_argument("--job-timeout", type=float, default=3600.0, help="seconds a job may go without progress before it is declared stuck")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck collective fails (finite, > 0)")
+    p.add_argument("--job-timeout", type=float, default=3600.0,
+                   help="seconds a job may go without progress before it is declared stuck (finite, > 0)")
     p.add_argument("--no-respawn", action="store_true", help="do not replace lost ranks with new workers")
     add_deterministic_arg(p, default=SERVE_DETERMINISTIC)
     add_compile_arg(p)
@@ -65,16 +75,9 @@ def _is_loopback(host: str) -> bool:
 
 
 def settings_from(args):
-    from ..serve.app import Settings
+    """The server's settings from its flags; ValueError (one line) for any that makes no sense."""
+    from ..serve.settings import Settings
 
-    if args.sp < 1:
-        raise ValueError(f"--sp must be >= 1, got {args.sp}")
-    if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    if not 0 < args.max_upload_mb <= 1 << 20:
-        raise ValueError(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
-    if args.retention_hours is not None and not 0 < args.retention_hours < float("inf"):
-        raise ValueError(f"--retention-hours must be a number > 0, got {args.retention_hours}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.compile:
@@ -98,8 +101,10 @@ def settings_from(args):
             raise ValueError(f"--token-file {args.token_file}: the token must be at least 16 characters")
     if not _is_loopback(args.host) and token is None:
         raise ValueError(f"--host {args.host} is not a loopback address: refusing to serve it without --token-file")
-    return Settings(data_dir=args.data_dir, sp=args.sp, model=args.model, dit=args.dit, vae=args.vae,
-                    text_embedding=args.text_embedding, dtype=args.dtype, token=token,
+    return Settings(data_dir=args.data_dir, sp=args.sp, model=args.model, random_weights=args.random_weights,
+                    dit=args.dit, vae=args.vae,
+                    text_embedding=args.text_embedding, dtype=args.dtype, token=token, host=args.host,
+                    allow_hosts=list(args.allow_host), allow_origins=list(args.allow_origin),
                     allow_input=list(args.allow_input), max_upload_mb=args.max_upload_mb, threads=args.threads,
                     timeout_s=args.timeout, job_timeout_s=args.job_timeout, respawn=not args.no_respawn,
                     deterministic=args.deterministic, compile=args.compile, weights_read=args.weights_read,
@@ -136,5 +141,14 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           f"{', compiled' if settings.compile else ''}, "
           f"data {os.path.abspath(settings.data_dir)})", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    controller = app.state.controller
+
+    def stop_on_failure():  # a group that can never form (weights that do not load...) stops the server
+        controller.failed.wait()
+        server.should_exit = True
+
+    threading.Thread(target=stop_on_failure, name="ditsp-serve-failure", daemon=True).start()
     server.run(sockets=[sock])
+    if controller.error:
+        return _fail(controller.error)
     return 0

@@ -1,11 +1,11 @@
 """`ditsp upscale INPUT -o OUTPUT`: restore a video, an image or a folder of frames with SeedVR2 under SP.
 
 Everything that can be checked before ranks start is checked, with a
-one-line error, by the restoration request (``ditsp/models/seedvr2/request.py``,
+one-line error, by the restoration request (``ditsp/models/seedvr2/job/request.py``,
 shared with `ditsp serve`): the input opens and has frames, the output can be
-written (and is not overwritten without ``--overwrite``), checkpoints exist,
-the options make sense, and the request's modelled memory fits each rank.
-Every flag's choices come from that module.
+written (and is not overwritten without ``--overwrite``), the model has weights,
+the options make sense, and the plan's modelled memory fits each rank. Every
+flag's choices and defaults come from that module.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from pathlib import Path
 from ..argtypes import timeout_seconds
 from ..errors import one_line
 from ..io.formats import WRITE_IMAGE_EXTS, WRITE_VIDEO_EXTS
-from ..models.seedvr2 import request
+from ..models.seedvr2.job import request
 from .common import add_compile_arg, add_deterministic_arg
+
+_d = request.default  # every flag's default is the request's own
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -30,43 +32,53 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("input", help="video file, image, or folder of frames")
     p.add_argument("-o", "--output", required=True,
                    help=f"output {'/'.join(WRITE_VIDEO_EXTS)} (video) or {'/'.join(WRITE_IMAGE_EXTS)} (image)")
-    p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree: local ranks to spawn (torchrun: joins)")
-    p.add_argument("--model", default="tiny", choices=request.MODELS,
-                   help="DiT and VAE preset (tiny: seeded tiny models, a smoke test)")
+    p.add_argument("--sp", type=int, default=_d("sp"), help="sequence-parallel degree: local ranks to spawn (torchrun: joins)")
+    p.add_argument("--model", default=_d("model"), choices=request.MODELS,
+                   help="DiT and VAE preset (tiny: the small restorer trained in the repo, its weights shipped with "
+                        "the package; seedvr2-*: the released models, given --dit and --vae)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="seeded random weights where no checkpoint is given (a smoke test or benchmark, not a "
+                        "restoration; the report says so)")
     p.add_argument("--dit", metavar="CKPT", help="DiT checkpoint (.pth/.safetensors/.gguf; fp16/bf16/fp32, FP8 or GGUF), "
                                                  "e.g. seedvr2_ema_3b.pth, seedvr2_ema_3b_fp8_e4m3fn.safetensors")
     p.add_argument("--vae", metavar="CKPT", help="VAE checkpoint (.pth/.safetensors/.gguf), e.g. ema_vae.pth")
     p.add_argument("--text-embedding", metavar="FILE", help="text embedding, e.g. pos_emb.pt")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--resolution", metavar="WxH", help="target area W*H, aspect kept (reference default 1280x720)")
-    size.add_argument("--scale", type=float, help="target area = (scale x width) x (scale x height)")
-    size.add_argument("--size", metavar="WxH", help="exact output size (then cropped to multiples of 16)")
-    p.add_argument("--seed", type=int, default=666)
-    p.add_argument("--color-fix", default="wavelet", choices=request.COLOR_FIXES)
-    p.add_argument("--window-frames", type=int, default=0,
-                   help="temporal window in frames (4n+1); 0 = the whole clip in one window")
-    p.add_argument("--overlap", type=int, default=4, help="frames shared (and cross-faded) by consecutive windows")
-    p.add_argument("--vae-mode", default="auto", choices=request.VAE_MODES,
-                   help="auto: the first exact mode that fits the budget (ditsp/models/seedvr2/vae/modes.py)")
-    p.add_argument("--vae-chunk", type=int, default=1, help="latent frames per causal chunk in chunked VAE modes")
-    p.add_argument("--dtype", default=None, choices=request.DTYPE_NAMES,
+    size.add_argument("--resolution", metavar="WxH",
+                      help="target area W*H, aspect kept (default: the model's; 1280x720 for the released models)")
+    size.add_argument("--scale", type=float,
+                      help="target area = (scale x width) x (scale x height) (default: the model's; 2 for tiny)")
+    size.add_argument("--size", metavar="WxH", help="exact output size (then cropped to the model's multiple)")
+    p.add_argument("--seed", type=int, default=_d("seed"))
+    p.add_argument("--color-fix", default=_d("color_fix"), choices=request.COLOR_FIXES)
+    p.add_argument("--window-frames", type=int, default=_d("window_frames"),
+                   help="temporal window in frames (kn+1, k the VAE's time factor: 4 for the released models, "
+                        "1 for tiny); 0 = the whole clip in one window")
+    p.add_argument("--overlap", type=int, default=_d("overlap"),
+                   help="frames shared (and cross-faded) by consecutive windows")
+    p.add_argument("--vae-mode", default=_d("vae_mode"), choices=request.VAE_MODES,
+                   help="auto: the first exact mode that fits what the budget leaves after the DiT "
+                        "(ditsp/models/seedvr2/vae/modes.py)")
+    p.add_argument("--vae-chunk", type=int, default=_d("vae_chunk"),
+                   help="latent frames per causal chunk in chunked VAE modes")
+    p.add_argument("--dtype", default=_d("dtype"), choices=request.DTYPE_NAMES,
                    help="default: bf16 for seedvr2-*, fp32 for tiny")
-    p.add_argument("--weights-dtype", default="stored", choices=request.WEIGHTS_DTYPES,
+    p.add_argument("--weights-dtype", default=_d("weights_dtype"), choices=request.WEIGHTS_DTYPES,
                    help="how the rank keeps float weights: as stored (cast to --dtype; FP8/GGUF files stay "
                         "quantized) or quantized to FP8 at load; dequantized per layer for the arithmetic")
-    p.add_argument("--weights-read", default=None, choices=request.WEIGHTS_READS,
+    p.add_argument("--weights-read", default=_d("weights_read"), choices=request.WEIGHTS_READS,
                    help="how the SP ranks read the checkpoints: each from its own memory map (every-rank, the "
                         "default: measured faster on one host) or one rank sending the others each tensor as "
                         "stored (one-reader: the file is read once, e.g. from a slow network mount)")
-    p.add_argument("--planner", default=None, choices=request.PLANNERS,
+    p.add_argument("--planner", default=_d("planner"), choices=request.PLANNERS,
                    help="window planner of the DiT (default: the SP path is chosen by the cost model)")
     p.add_argument("--max-memory", type=float, metavar="GiB",
                    help="per-rank memory budget (default: free memory / local ranks)")
     p.add_argument("--force", action="store_true", help="run even if the memory estimate exceeds the budget")
     p.add_argument("--fps", type=float, help="output frame rate (default: the input's; 24 for a folder of frames)")
-    p.add_argument("--crf", type=int, default=18, help="H.264 quality (0-51, lower is better)")
+    p.add_argument("--crf", type=int, default=_d("crf"), help="H.264 quality (0-51, lower is better)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
+    p.add_argument("--threads", type=int, default=_d("threads"), help="compute threads per rank")
     p.add_argument("--timeout", type=timeout_seconds, default=3600.0,
                    help="seconds a rank may go without progress (no collective, no stage done) before it counts as stuck")
     p.add_argument("--plot", metavar="FILE.png", help="picture of input vs output frames and the stage timeline")
@@ -90,12 +102,12 @@ def _fail(msg: str) -> int:
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..distributed.launcher import RankError
     from ..engine import dispatch
-    from ..models.seedvr2.restore import format_report, plot_report, rank_upscale, summarize
+    from ..models.seedvr2.job.restore import format_report, plot_report, rank_upscale, summarize
 
     try:
         opts = request.from_args(args)
         checked = request.check(opts)
-        req, info, frames, geo = checked.req, checked.info, checked.frames, checked.geo
+        req, info = checked.req, checked.info
         if args.plot:
             folder = os.path.dirname(os.path.abspath(args.plot))
             if not os.path.isdir(folder):
@@ -103,8 +115,10 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         mem_line = request.check_memory(checked, opts)
     except (ValueError, MemoryError) as e:
         return _fail(str(e))
-    if not args.json:
-        print(f"{args.input}: {info.kind}, {frames} frame(s), {geo.describe()}, SP={args.sp}; {mem_line}")
+    if not args.json:  # what the job will do, before it starts
+        if req.weights.random:
+            print("RANDOM WEIGHTS: seeded random weights (--random-weights), a smoke test, not a restoration")
+        print(f"{args.input}: {info.kind}, {req.plan.describe()}; {mem_line}")
     try:
         # local ranks forked from this process (where safe): they start with its imports, not their own
         results = dispatch(rank_upscale, req, sp=args.sp, threads=args.threads, timeout_s=args.timeout, fork=True)
@@ -193,11 +207,12 @@ def parity_vs_one_device(req, summary: dict, threads: int) -> dict:
 
     from ..engine import dispatch
     from ..io.probe import open_media
-    from ..models.seedvr2.restore import rank_upscale
+    from ..models.seedvr2.job.restore import rank_upscale
 
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(req.output))) as tmp:
         ref_out = os.path.join(tmp, "one-device" + Path(req.output).suffix)
-        ref = dispatch(rank_upscale, replace(req, output=ref_out, sp=1, progress=False, sample_frames=0), sp=1,
+        one = replace(req.plan, sp=1)  # the same plan on one device: its windows and VAE modes are kept
+        ref = dispatch(rank_upscale, replace(req, output=ref_out, plan=one, progress=False, sample_frames=0), sp=1,
                        threads=threads)[0]
         out = {"same_frames": ref["sha256"] == summary["sha256"], "one_device_sha256": ref["sha256"]}
         if not out["same_frames"]:  # say how far apart, from the written files

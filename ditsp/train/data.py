@@ -152,7 +152,7 @@ def pan_clip(image: np.ndarray, frames: int, size: tuple[int, int], g: torch.Gen
 
     ``zoom_drift`` > 0 also zooms over the clip: the crop's side changes by a factor drawn from
     ``[1 - zoom_drift, 1 + zoom_drift]`` from the first frame to the last, about the crop's centre
-    (never below the output size, so every frame is a downscale)."""
+    (never outside the first frame's crop)."""
     h, w = size
     H, W = image.shape[:2]
     z = zoom[0] + (zoom[1] - zoom[0]) * torch.rand((), generator=g).item()
@@ -169,7 +169,7 @@ def pan_clip(image: np.ndarray, frames: int, size: tuple[int, int], g: torch.Gen
     crops = []
     for i in range(frames):
         f = 1 + (drift - 1) * i / max(1, frames - 1)
-        fh, fw = max(h, min(ch, round(ch * f))), max(w, min(cw, round(cw * f)))  # zooming stays inside the crop
+        fh, fw = max(1, min(ch, round(ch * f))), max(1, min(cw, round(cw * f)))  # zooming stays inside the crop
         top, left = y0 + i * dy + (ch - fh) // 2, x0 + i * dx + (cw - fw) // 2
         crop = img[:, top: top + fh, left: left + fw].unsqueeze(0)
         crops.append(F.interpolate(crop, size=(h, w), mode="area")[0] if (fh, fw) != (h, w) else crop[0])
@@ -193,13 +193,17 @@ class ClipPairs:
             self._images[name] = photograph(name)
         return self._images[name]
 
-    def item(self, i: int, size: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Item ``i`` at ``size`` (default: the dataset's)."""
+    def _clean(self, i: int, size) -> tuple[torch.Tensor, torch.Generator]:
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + int(i)) & ((1 << 62) - 1))
         name = self.names[int(torch.randint(0, len(self.names), (), generator=g))]
         clean = pan_clip(self.image(name), self.frames, tuple(size or self.size), g, zoom_drift=self.zoom_drift)
         if torch.rand((), generator=g).item() < 0.5:
             clean = clean.flip(-1)
+        return clean, g
+
+    def item(self, i: int, size: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Item ``i`` at ``size`` (default: the dataset's)."""
+        clean, g = self._clean(i, size)
         return degrade(clean, self.deg, g), clean
 
     __getitem__ = item
@@ -208,6 +212,11 @@ class ClipPairs:
         """Items ``step*batch .. step*batch+batch-1`` stacked: (B, T, 3, H, W) each, at ``size``."""
         pairs = [self.item(step * batch + j, size) for j in range(batch)]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+    def clean_batch(self, step: int, batch: int, size: tuple[int, int] | None = None) -> torch.Tensor:
+        """The clean clips of :meth:`batch` alone (B, T, 3, H, W), without the degradations' cost (the same
+        clips: the degradations draw after them)."""
+        return torch.stack([self._clean(step * batch + j, size)[0] for j in range(batch)])
 
 
 def held_out_clip(frames: int, size: tuple[int, int], seed: int = 1234, degradation: Degradation = Degradation(),

@@ -28,13 +28,13 @@ from ..distributed.autograd import reduce_gradients
 from ..distributed.comm import Comm
 from ..models.seedvr2.compiled import compile_dit, compile_vae, describe
 from ..models.seedvr2.nadit.model import NaDiT, build_model
-from ..models.seedvr2.vae.config import PRESETS as VAE_PRESETS
 from ..models.seedvr2.vae.model import VideoVAE
 from ..weights import is_quantized
 from . import checkpoint as ckpt
 from .data import ClipPairs
-from .objective import OBJECTIVES, check_vae_training, dit_loss, pin_posterior_std, vae_loss
-from ..models.seedvr2.weights import MODELS, seeded_vae
+from .objective import OBJECTIVES, check_vae_training, dit_loss, init_for_training, vae_loss
+from ..models.seedvr2.presets import MODELS, dit_config, vae_config
+from ..models.seedvr2.vae.fixtures import seeded_vae
 from ..models.seedvr2.vae.checkpoint import load_checkpoint as load_vae
 import math
 from dataclasses import replace
@@ -82,7 +82,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(sorted(MODELS))}")
-        vae = VAE_PRESETS[MODELS[self.model]]
+        vae = vae_config(self.model)
         if (self.frames - 1) % vae.temporal_factor:
             raise ValueError(f"a clip of this model's VAE needs {vae.temporal_factor}n + 1 frames, got {self.frames}")
         sizes = tuple(tuple(s) for s in self.size) if self.size and not isinstance(self.size[0], int) \
@@ -116,13 +116,13 @@ def text_embedding(model: NaDiT, seed: int = 0) -> torch.Tensor:
 def build(cfg: TrainConfig):
     """(dit, vae, the trainable modules by name, their parameters) of ``cfg``, fp32."""
 
-    dit = build_model(cfg.model, checkpoint=cfg.dit, seed=0)
-    vae_cfg = VAE_PRESETS[MODELS[cfg.model]]
+    dit = build_model(dit_config(cfg.model), checkpoint=cfg.dit, seed=0)
+    vae_cfg = vae_config(cfg.model)
     vae = seeded_vae(vae_cfg, 7)
     if cfg.vae:
         load_vae(vae, cfg.vae)
     elif cfg.objective == "vae":
-        pin_posterior_std(vae)
+        init_for_training(vae)
     vae = vae.float()
     dit.checkpoint_blocks = cfg.activation_checkpointing
     if cfg.objective == "dit":

@@ -1,11 +1,11 @@
 """The three SeedVR2 pieces a restoration needs, built once per rank: DiT, VAE, text embedding.
 
-A model name picks a DiT preset and its VAE preset (``seedvr2-3b`` and
-``seedvr2-7b`` use the released VAE widths, ``tiny`` and ``tiny-7b`` the tiny
-VAE). Weights come from the given checkpoints, or are seeded identically on
-every rank (random weights: a smoke test of the whole path, not a
-restoration). The released text input is ``pos_emb.pt``; without one a
-seeded embedding of the preset's shape stands in.
+A model name picks a DiT preset and its VAE preset (:mod:`.presets`). Weights
+come from the given checkpoints, else from the files the package ships for the
+model (``tiny``), else, only when ``random_weights`` asks for it, are seeded
+identically on every rank (a smoke test of the whole path, not a restoration).
+The released text input is ``pos_emb.pt``; without one a seeded embedding of
+the preset's shape stands in.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .vae import VideoVAE, load_checkpoint
 from .vae.fixtures import seeded_vae
 from .vae.config import PRESETS as VAE_PRESETS
 
-from .presets import MODELS, OFFERED, default_dtype  # noqa: F401 - re-exported
+from .presets import MODELS, OFFERED, check_weights, default_dtype, model as model_of  # noqa: F401 - re-exported
 from ...weights import error_line
 from .nadit.checkpoint import CheckpointError
 from .vae import CheckpointError as VAECheckpointError
@@ -45,14 +45,24 @@ class WeightsSpec:
     seed: int = 0
     weights_dtype: str | None = None  # "fp8"/"fp8_e5m2": quantize float weights at load (ditsp/weights)
     read: str | None = None  # how an SP group reads the files (ditsp/weights/shared.py READS; None: its default)
+    random_weights: bool = False  # seeded random weights where no file is named (smoke tests, benchmarks)
 
     def __post_init__(self):
         canonical(self.weights_dtype)  # an unknown name raises here, before any rank loads
         check_read(self.read)
-        if self.model not in MODELS:
-            raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(sorted(MODELS))}")
-        if self.model not in DIT_PRESETS:
+        m = model_of(self.model)
+        if m.dit not in DIT_PRESETS:
             raise ValueError(f"model {self.model!r} has no DiT preset")
+        check_weights(self.model, self.dit, self.vae, self.random_weights)
+        if m.shipped_files and not self.random_weights:  # the weights shipped with the package fill the gaps
+            dit, vae = m.shipped_files
+            object.__setattr__(self, "dit", self.dit or str(dit))
+            object.__setattr__(self, "vae", self.vae or str(vae))
+
+    @property
+    def random(self) -> bool:
+        """Whether any piece is seeded random weights (the report says so on its first line)."""
+        return not (self.dit and self.vae)
 
 
 @dataclass
@@ -83,9 +93,10 @@ def load(spec: WeightsSpec, device: torch.device | str = "cpu", comm=None) -> Se
 
 def _build(spec: WeightsSpec, device, comm=None) -> SeedVR2:
     dtype = DTYPES[spec.dtype]
-    dit = build_model(spec.model, checkpoint=spec.dit, seed=spec.seed, dtype=dtype, device=device,
+    m = model_of(spec.model)
+    dit = build_model(m.dit, checkpoint=spec.dit, seed=spec.seed, dtype=dtype, device=device,
                       weights_dtype=spec.weights_dtype, comm=comm, read=spec.read)
-    vae_cfg = VAE_PRESETS[MODELS[spec.model]]
+    vae_cfg = VAE_PRESETS[m.vae]
     if spec.vae:
         with meta_device():  # streamed: tensors are read one by one into the final dtype
             vae = VideoVAE(vae_cfg)

@@ -140,7 +140,10 @@ TINY_7B = NaDiTConfig(
     rope_dim=16, txt_len=11,
 )
 
-PRESETS = {c.name: c for c in (SEEDVR2_3B, TINY, SMALL, SEEDVR2_7B, TINY_7B)}
+# The community SeedVR2-1.4B: a six-block distillation of the 7B (its widths, 24 heads, blocks 0-5's shapes).
+SEEDVR2_1_4B = replace(SEEDVR2_7B.with_layers(6), name="seedvr2-1.4b")
+
+PRESETS = {c.name: c for c in (SEEDVR2_3B, TINY, SMALL, SEEDVR2_7B, TINY_7B, SEEDVR2_1_4B)}
 
 
 def get_config(name: str, num_layers: int | None = None) -> NaDiTConfig:

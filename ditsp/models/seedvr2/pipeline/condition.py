@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..sizing import VAE_SPATIAL, VAE_TEMPORAL  # noqa: F401 - the VAE's factors, defined once
+from ..vae.config import RELEASED, VaeConfig
 
 SCALING_FACTOR = 0.9152  # VAE latent scaling (shift 0.0)
 SCHEDULE_T = 1000.0  # continuous lerp schedule length
@@ -89,18 +89,18 @@ def draw_noises(
     return noise, aug
 
 
-def timestep_shift(shape: Sequence[int]) -> torch.Tensor:
+def timestep_shift(shape: Sequence[int], vae: VaeConfig = RELEASED) -> torch.Tensor:
     """Resolution-dependent shift for a latent of ``shape = (T', H', W', ...)`` (fp32, shape (1,)).
 
-    Pixel frames ``(T'-1)*4 + 1``, height ``H'*8``, width ``W'*8``; a linear
+    Pixel frames ``(T'-1)*4 + 1``, height ``H'*8``, width ``W'*8`` (the released VAE's factors); a linear
     map of the pixel volume (video) or area (single frame) anchored at
     256x256x37 -> 1 and 1280x720x145 -> 5 (video), 256x256 -> 1 and
     1024x1024 -> 3.2 (image).
     """
     s = torch.tensor([list(shape)[:3]], dtype=torch.int64)
-    frames = (s[:, 0] - 1) * VAE_TEMPORAL + 1
-    heights = s[:, 1] * VAE_SPATIAL
-    widths = s[:, 2] * VAE_SPATIAL
+    frames = (s[:, 0] - 1) * vae.temporal_factor + 1
+    heights = s[:, 1] * vae.spatial_factor
+    widths = s[:, 2] * vae.spatial_factor
 
     def lin(x1: float, y1: float, x2: float, y2: float) -> Callable[[torch.Tensor], torch.Tensor]:
         m = (y2 - y1) / (x2 - x1)

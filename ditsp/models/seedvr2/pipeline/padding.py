@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from ..sizing import VAE_TEMPORAL  # the VAE's time factor, defined once
+from ..vae.config import RELEASED  # the reference pipeline's VAE: the default factors
 
 
-def padded_length(frames: int, multiple: int = VAE_TEMPORAL) -> int:
+def padded_length(frames: int, multiple: int = RELEASED.temporal_factor) -> int:
     """Smallest ``T' >= frames`` with ``(T' - 1) % multiple == 0`` (1 stays 1)."""
     if frames < 1:
         raise ValueError(f"frames must be >= 1, got {frames}")
@@ -30,13 +30,13 @@ def padded_length(frames: int, multiple: int = VAE_TEMPORAL) -> int:
     return frames + (-(frames - 1)) % multiple
 
 
-def reference_padded_length(frames: int, sp: int = 1) -> int:
+def reference_padded_length(frames: int, sp: int = 1, temporal_factor: int = RELEASED.temporal_factor) -> int:
     """Frame count after the reference's SP-dependent padding."""
     if sp < 1:
         raise ValueError(f"sp must be >= 1, got {sp}")
     if frames < 1:
         raise ValueError(f"frames must be >= 1, got {frames}")
-    k = VAE_TEMPORAL * sp
+    k = temporal_factor * sp
     if frames == 1:
         return 1
     if frames <= k:
@@ -57,8 +57,9 @@ def repeat_last(video: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
     return torch.cat([video, last.repeat(*reps)], dim=dim)
 
 
-def pad_frames(video: torch.Tensor, multiple: int = VAE_TEMPORAL, dim: int = 1) -> torch.Tensor:
-    """Pad ``(C, T, H, W)`` (time on ``dim``) to ``4n + 1`` frames by repeating the last."""
+def pad_frames(video: torch.Tensor, multiple: int = RELEASED.temporal_factor, dim: int = 1) -> torch.Tensor:
+    """Pad ``(C, T, H, W)`` (time on ``dim``) to ``kn + 1`` frames (k = ``multiple``, the VAE's time factor) by
+    repeating the last."""
     return repeat_last(video, padded_length(video.shape[dim], multiple), dim)
 
 

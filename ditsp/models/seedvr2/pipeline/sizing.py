@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..sizing import VAE_SPATIAL  # the VAE's space factor, defined once
-from .padding import VAE_TEMPORAL, padded_length
 from .transform import CROP_MULTIPLE, area_size, crop_box
 
 
@@ -25,6 +23,7 @@ class FrameGeometry:
     crop_left: int
     out_width: int
     out_height: int
+    multiple: int = CROP_MULTIPLE  # the crop's multiple (the VAE's space factor times the DiT's patch)
 
     @property
     def resized_hw(self) -> tuple[int, int]:
@@ -33,15 +32,6 @@ class FrameGeometry:
     @property
     def out_hw(self) -> tuple[int, int]:
         return self.out_height, self.out_width
-
-    def latent_hw(self) -> tuple[int, int]:
-        """Latent ``(H', W')``: both even because the crop is to multiples of 16."""
-        return self.out_height // VAE_SPATIAL, self.out_width // VAE_SPATIAL
-
-    def latent_shape(self, frames: int) -> tuple[int, int, int]:
-        """Latent ``(T', H', W')`` for ``frames`` frames padded to 4n+1."""
-        t = (padded_length(frames, VAE_TEMPORAL) - 1) // VAE_TEMPORAL + 1
-        return (t, *self.latent_hw())
 
     def describe(self) -> str:
         s = f"{self.in_width}x{self.in_height}"
@@ -58,13 +48,15 @@ def frame_geometry(
     *,
     area: tuple[int, int] | None = None,
     size: tuple[int, int] | None = None,
+    multiple: int = CROP_MULTIPLE,
 ) -> FrameGeometry:
     """Geometry for an input frame.
 
     ``area=(w, h)``: resize to the area ``w*h`` keeping the aspect ratio (the
     reference behaviour; ``(1280, 720)`` and ``(720, 1280)`` are the same).
     ``size=(w, h)``: resize to exactly that size. Neither: keep the size.
-    Then centre-crop to multiples of 16.
+    Then centre-crop to multiples of ``multiple`` (the VAE's space factor times the DiT's patch: 16 for
+    the released models).
     """
     if in_width <= 0 or in_height <= 0:
         raise ValueError(f"input size must be positive, got {in_width}x{in_height}")
@@ -78,5 +70,5 @@ def frame_geometry(
             raise ValueError(f"size must be positive, got {rw}x{rh}")
     else:
         rw, rh = in_width, in_height
-    top, left, ch, cw = crop_box(rh, rw, CROP_MULTIPLE)
-    return FrameGeometry(in_width, in_height, rw, rh, top, left, cw, ch)
+    top, left, ch, cw = crop_box(rh, rw, multiple)
+    return FrameGeometry(in_width, in_height, rw, rh, top, left, cw, ch, multiple)

@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-CROP_MULTIPLE = 16
+CROP_MULTIPLE = 16  # the reference's DivisibleCrop((16, 16)): the released VAE's 8x space times the DiT's 2x2 patch
 
 
 def area_size(height: int, width: int, res_h: int, res_w: int) -> tuple[int, int]:
@@ -102,8 +102,9 @@ def transform_frames(
     res_w: int | None = None,
     *,
     size: tuple[int, int] | None = None,
+    multiple: int = CROP_MULTIPLE,
 ) -> torch.Tensor:
-    """uint8 or [0,1]-float ``(T, 3, H, W)`` -> float32 ``(3, T, h16, w16)`` in [-1, 1].
+    """uint8 or [0,1]-float ``(T, 3, H, W)`` -> float32 ``(3, T, h16, w16)`` in [-1, 1] (multiples of ``multiple``).
 
     Give either the target area as ``res_h, res_w`` (the reference behaviour)
     or ``size=(h, w)`` to resize to that exact size instead (then the crop to
@@ -122,7 +123,7 @@ def transform_frames(
             raise ValueError("res_h and res_w go together")
         x = area_resize(x, res_h, res_w)
     x = x.clamp(0.0, 1.0)
-    x = center_crop(x)
+    x = center_crop(x, multiple)
     x = (x - 0.5) / 0.5
     return x.permute(1, 0, 2, 3).contiguous()
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sizing import VAE_TEMPORAL  # the VAE's time factor, defined once
+from ..vae.config import RELEASED  # the reference pipeline's VAE: the default time factor
 from .condition import window_seed
 
 
@@ -93,19 +93,22 @@ class WindowPlan:
         return sorted(t for t in out if 0 < t < self.frames)
 
 
-def check_window(window: int, overlap: int) -> None:
-    """Raise ``ValueError`` unless ``window`` is 4n+1 and ``0 <= overlap < window``."""
-    if window < 1 or (window - 1) % VAE_TEMPORAL:
-        raise ValueError(f"window must be 4n+1 frames (5, 9, ..., 21, ..., 121), got {window}")
+def check_window(window: int, overlap: int, temporal_factor: int = RELEASED.temporal_factor) -> None:
+    """Raise ``ValueError`` unless ``window`` is kn+1 (k the VAE's time factor) and ``0 <= overlap < window``."""
+    k = temporal_factor
+    if window < 1 or (window - 1) % k:
+        examples = ", ".join(str(k * n + 1) for n in range(1, 4))
+        raise ValueError(f"window must be {k}n+1 frames ({examples}, ...), got {window}")
     if not 0 <= overlap < window:
         raise ValueError(f"overlap must be in [0, window) = [0, {window}), got {overlap}")
 
 
-def plan_windows(frames: int, window: int, overlap: int = 4, seed: int = 0) -> WindowPlan:
+def plan_windows(frames: int, window: int, overlap: int = 4, seed: int = 0,
+                 temporal_factor: int = RELEASED.temporal_factor) -> WindowPlan:
     """Windows of ``window`` frames sharing ``overlap`` frames that cover ``frames`` frames."""
     if frames < 1:
         raise ValueError(f"a clip needs at least one frame, got {frames}")
-    check_window(window, overlap)
+    check_window(window, overlap, temporal_factor)
     if frames <= window:
         return WindowPlan(frames, window, overlap, (Window(0, 0, frames, window_seed(seed, 0)),))
     # As few full-length windows as keep every overlap >= ``overlap``, spread evenly.

@@ -77,7 +77,9 @@ class VaeConfig:
 RELEASED = VaeConfig()
 # The test vectors' VAE: released structure, widths 16/32/40/40 and 8 groups.
 TINY = VaeConfig(widths=(16, 32, 40, 40), groups=8)
-# The small restorer's VAE (``--model tiny``): 4x space, no time compression (16 latent channels for 48 pixel
-# values), so that a network of a few million parameters trained on 2 CPU cores reconstructs well above bicubic.
-TINY_4X = VaeConfig(widths=(24, 48, 64), groups=8, temporal_down_blocks=(), temporal_up_blocks=())
-PRESETS = {"released": RELEASED, "tiny": TINY, "tiny-4x": TINY_4X}
+# The small restorer's VAE (``--model tiny``): the released structure at 2x space and no time compression, so
+# its 16 latent channels hold 12 pixel values: a network of about a million parameters trained for an hour on
+# one CPU core can reconstruct far better than at the released 8x8x4 (4x space with 16 channels for 48 values
+# stayed near 16 dB over the same steps).
+TINY_2X = VaeConfig(widths=(32, 64), groups=8, temporal_down_blocks=(), temporal_up_blocks=())
+PRESETS = {"released": RELEASED, "tiny": TINY, "tiny-2x": TINY_2X}

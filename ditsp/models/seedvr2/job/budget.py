@@ -12,19 +12,15 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import torch
-
-from ...dtypes import DTYPES, itemsize
-from ...memory import available_bytes  # noqa: F401 - re-exported for the upscale command
-from .nadit.config import get_config
-from .vae.config import PRESETS as VAE_PRESETS
-from .vae.modes import AUTO
-from .weights import MODELS
-from ...weights.sizing import WeightBytes
-from .pipeline.padding import padded_length
-from .vae.memory import choose_mode
-from .vae.memory import estimate as vae_estimate
-from .vae.winograd import ENV as WINOGRAD_ENV
+from ....dtypes import DTYPES, itemsize
+from ....memory import available_bytes  # noqa: F401 - re-exported for the upscale command
+from ..vae.modes import AUTO
+from ..presets import dit_config, vae_config
+from ....weights.sizing import WeightBytes
+from ..pipeline.padding import padded_length
+from ..vae.memory import choose_mode
+from ..vae.memory import estimate as vae_estimate
+from ....cpu.settings import ENV as CPU_ENV
 from .weight_memory import dit_weights
 
 GiB = 2**30
@@ -61,35 +57,49 @@ def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: i
     ``weights``: the DiT's weights as kept (:func:`.weight_memory.dit_weights`: stored format and
     dequantization buffer); default: every parameter in ``dtype``. ``winograd_filters``: count the
     VAE's cached Winograd filters (:func:`.vae.memory.counts_winograd`: a CPU run, fast policy).
-    ``vae_backend``: what runs the VAE's convs, and how (:func:`.vae.memory.backend_of`)."""
+    ``vae_backend``: what runs the VAE's convs, and how (:func:`.vae.memory.backend_of`). With
+    ``vae_mode`` auto the VAE's mode is chosen against what ``budget`` leaves after the DiT's weights,
+    activations and the latents, never against the whole budget (so more memory never turns a run that
+    fits into a refusal)."""
 
-    cfg = get_config(model)
-    vcfg = VAE_PRESETS[MODELS[model]]
+    cfg, vcfg = dit_config(model), vae_config(model)
     e = itemsize(dtype)
-    T = padded_length(frames)
+    T = padded_length(frames, vcfg.temporal_factor)
     H, W = out_hw
     t, h, w = vcfg.latent_shape(T, H, W)
-    tokens = -(-t * (h // 2) * (w // 2) // sp)  # this rank's share (balanced plans)
+    _, ph, pw = cfg.patch_size
+    tokens = -(-t * (h // ph) * (w // pw) // sp)  # this rank's share (balanced plans)
     hid = cfg.mlp_hidden
     # Per layer: residual, normed input, q/k/v, attention out, two MLP hidden tensors; text is small.
-    dit_act = tokens * (6 * cfg.vid_dim + 2 * hid) * e
-    latents = t * h * w * (16 * 4 + 33) * 4  # latent, noise, x0, decoder input in fp32 + the 33-channel input
-    vdtype = DTYPES[dtype]
-    shape = (T, H, W)
-    mode = vae_mode
-    if mode == AUTO:  # what the restoration's VAE will pick (the one meaning of auto); tiled if nothing fits
-        try:
-            mode = choose_mode(vcfg, shape, sp, budget, vdtype, vae_chunk, winograd_filters=winograd_filters,
-                               backend=vae_backend).mode
-        except MemoryError:
-            mode = "tiled"
-    v = max((vae_estimate(vcfg, op, shape, sp, mode, vdtype, vae_chunk, winograd_filters=winograd_filters,
+    dit_act = int(tokens * (6 * cfg.vid_dim + 2 * hid) * e)
+    c = vcfg.latent_channels  # latent, noise, x0, decoder input in fp32, and the DiT's 2c+1-channel input
+    latents = int(t * h * w * (c * 4 + 2 * c + 1) * 4)
+    if weights is None:
+        kept, buffer, fmt = cfg.param_count() * e, 0, ""
+    else:
+        kept, buffer, fmt = weights.kept, weights.buffer, weights.fmt
+    left = None if budget is None else budget - (kept + buffer + dit_act + latents)
+    mode, _ = choose_vae_mode(model, dtype, (T, H, W), sp, vae_mode, left, vae_chunk,
+                              winograd_filters=winograd_filters, vae_backend=vae_backend)
+    v = max((vae_estimate(vcfg, op, (T, H, W), sp, mode, DTYPES[dtype], vae_chunk, winograd_filters=winograd_filters,
                           backend=vae_backend)
              for op in ("encode", "decode")), key=lambda m: m.total)
-    if weights is None:
-        return Estimate(cfg.param_count() * e, int(dit_act), int(latents), int(v.total), mode, vae_filters=v.filters)
-    return Estimate(weights.kept, int(dit_act), int(latents), int(v.total), mode, weights.buffer, weights.fmt,
-                    v.filters)
+    return Estimate(kept, dit_act, latents, int(v.total), mode, buffer, fmt, v.filters)
+
+
+def choose_vae_mode(model: str, dtype: str, shape: tuple[int, int, int], sp: int, vae_mode: str, budget: int | None,
+                    vae_chunk: int = 1, winograd_filters: bool = False, vae_backend: str = "cuda") -> tuple[str, str]:
+    """(mode, why) of a clip of padded pixel ``shape`` (T, H, W): ``vae_mode`` itself, or what ``auto`` means
+    (:func:`.vae.memory.choose_mode`) against ``budget``, the bytes left for the VAE; tiled when nothing fits
+    (the estimate then says the job does not fit)."""
+    if vae_mode != AUTO:
+        return vae_mode, "requested"
+    try:
+        c = choose_mode(vae_config(model), shape, sp, None if budget is None else max(0, budget), DTYPES[dtype],
+                        vae_chunk, winograd_filters=winograd_filters, backend=vae_backend)
+        return c.mode, c.report
+    except MemoryError as e:
+        return "tiled", f"auto: {e}"
 
 
 def suggestions(model: str, dtype: str, frames: int, out_hw, sp: int, vae_mode: str, budget: int,
@@ -111,9 +121,9 @@ def suggestions(model: str, dtype: str, frames: int, out_hw, sp: int, vae_mode: 
                 out.append(f"--vae-mode {mode} ({e.total / GiB:.1f} GiB per rank"
                            f"{', approximate' if mode == 'tiled' else ''})")
                 break
-    f = frames
-    while f > 5:
-        f = max(5, ((f // 2 - 1) // 4) * 4 + 1)
+    f, k = frames, vae_config(model).temporal_factor
+    while f > k + 1:
+        f = max(k + 1, ((f // 2 - 1) // k) * k + 1)
         e = fit(model, dtype, f, out_hw, sp, vae_mode, budget, weights=weights)
         if e.total <= budget:
             out.append(f"--window-frames {f} ({e.total / GiB:.1f} GiB per rank)")
@@ -126,7 +136,7 @@ def suggestions(model: str, dtype: str, frames: int, out_hw, sp: int, vae_mode: 
     if winograd_filters:
         e = estimate(model, dtype, frames, out_hw, sp, vae_mode, budget, weights=weights, vae_backend=vae_backend)
         if e.total <= budget:
-            out.append(f"{WINOGRAD_ENV}=0 ({e.total / GiB:.1f} GiB per rank, a slower VAE)")
+            out.append(f"{CPU_ENV['vae_winograd']}=0 ({e.total / GiB:.1f} GiB per rank, a slower VAE)")
     return out
 
 
@@ -135,7 +145,7 @@ def _smaller_weights(model, dtype, frames, out_hw, sp, vae_mode, budget, weights
 
     if dtype not in ("bf16", "fp32"):
         return []
-    now = weights.kept if weights is not None else get_config(model).param_count() * itemsize(dtype)
+    now = weights.kept if weights is not None else dit_config(model).param_count() * itemsize(dtype)
     for fmt, hint in (("fp8_e4m3fn", "--weights-dtype fp8"), ("Q8_0", "a Q8_0 GGUF --dit"),
                       ("Q4_K_M", "a Q4_K_M GGUF --dit")):
         w = dit_weights(model, dtype, fmt=fmt)

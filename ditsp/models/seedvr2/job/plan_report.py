@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ...windows.traffic import ulysses_traffic, window_sp_traffic
-from .nadit.config import NaDiTConfig
-from ...windows.schedule import SchedulePlan, plan_schedule
-from ...windows.geometry import window_size
+from ....windows.traffic import ulysses_traffic, window_sp_traffic
+from ..nadit.config import NaDiTConfig
+from ....windows.schedule import SchedulePlan, plan_schedule
+from ....windows.geometry import window_size
 
 BF16 = 2
 

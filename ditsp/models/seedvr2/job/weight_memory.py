@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-import torch
-
-from ...weights.sizing import WeightBytes, by_format, of_checkpoint
-from .nadit.config import get_config
-from .nadit.model import NaDiT
-from ...weights.fp8 import canonical
-from ..meta import meta_device
+from ....weights.sizing import WeightBytes, by_format, of_checkpoint
+from ..presets import dit_config
+from ..nadit.model import NaDiT
+from ....weights.fp8 import canonical
+from ...meta import meta_device
 
 
 @lru_cache(maxsize=16)
@@ -19,7 +17,7 @@ def dit_shapes(model: str, layers: int | None = None) -> tuple[tuple[str, tuple[
     """(name, shape) of every DiT tensor of a preset, from a meta build (nothing allocated)."""
 
     with meta_device():
-        net = NaDiT(get_config(model, layers))
+        net = NaDiT(dit_config(model, layers))
     return tuple((k, tuple(v.shape)) for k, v in net.state_dict().items())
 
 

@@ -2,9 +2,11 @@
 
 A front door turns what it was given into :class:`Options` (``from_args`` for
 `ditsp upscale`'s argparse namespace, ``from_http`` for a server job's JSON
-options), then :func:`check` makes the :class:`UpscaleRequest` or raises
-``ValueError`` with one line, and :func:`check_memory` compares the modelled
-per-rank memory with the budget. Every list of allowed values comes from the
+options; its flags' defaults are :class:`Options`' own, :func:`default`), then
+:func:`check` makes the :class:`UpscaleRequest`, with its
+:class:`~.plan.RestorationPlan` built once, or raises ``ValueError`` with one
+line, and :func:`check_memory` holds the plan's per-rank memory against its
+budget. The ranks read the plan; nothing downstream derives a size again. Every list of allowed values comes from the
 module that owns it (formats: ``ditsp.io.formats``; VAE modes:
 ``vae/modes.py``; colour fixes: ``pipeline/color_fix.py``; planners:
 ``ditsp.windows.planners``; dtypes: ``ditsp.dtypes``; models and the default
@@ -20,70 +22,71 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...dtypes import NAMES as DTYPE_NAMES
-from ...fixed_shape import DEFAULT_DETERMINISTIC
-from ...io.formats import WRITE_IMAGE_EXTS, WRITE_VIDEO_EXTS, output_exts
-from ...weights.fp8 import WEIGHTS_DTYPES
-from ...weights.shared import READS as WEIGHTS_READS
-from ...windows.planners import PLANNERS as _PLANNER_TABLE
-from .pipeline.color_fix import METHODS as COLOR_FIXES
-from .vae.modes import AUTO
-from .vae.modes import CHOICES as VAE_MODES
-from .presets import OFFERED as MODELS
-from .presets import default_dtype
+from ....dtypes import NAMES as DTYPE_NAMES
+from ....fixed_shape import DEFAULT_DETERMINISTIC
+from ....io.formats import WRITE_IMAGE_EXTS, WRITE_VIDEO_EXTS, output_exts
+from ....weights.fp8 import WEIGHTS_DTYPES
+from ....weights.shared import READS as WEIGHTS_READS
+from ....windows.planners import PLANNERS as _PLANNER_TABLE
+from ..pipeline.color_fix import METHODS as COLOR_FIXES
+from ..vae.modes import AUTO
+from ..vae.modes import CHOICES as VAE_MODES
+from ..presets import OFFERED as MODELS
+from ..presets import DEFAULT_MODEL, default_dtype, model as model_of
 from .sizing import parse_resolution
-from ...weights import FormatError
-from .budget import GiB, available_bytes, estimate, suggestions
-from .vae.memory import backend_of, counts_winograd
-from ...memory import check_local_ranks
+from ....weights import FormatError
+from .budget import GiB, available_bytes, suggestions
+from ..vae.memory import backend_of, counts_winograd
+from ....memory import check_local_ranks
+from ....distributed.torchrun import under_torchrun
 from .weight_memory import dit_weights
+from . import plan as restoration_plan
 
 __all__ = ["COLOR_FIXES", "DTYPE_NAMES", "HTTP_OPTIONS", "MODELS", "OUTPUT_FORMATS", "PLANNERS", "VAE_MODES",
-           "WEIGHTS_DTYPES", "WEIGHTS_READS", "Checked", "Options", "UpscaleRequest", "check", "check_memory", "from_args",
-           "from_http", "parse_http_options"]
+           "WEIGHTS_DTYPES", "WEIGHTS_READS", "Checked", "Options", "UpscaleRequest", "check", "check_memory", "default",
+           "from_args", "from_http", "parse_http_options", "prepare"]
 
 if TYPE_CHECKING:
-    from .weights import WeightsSpec
+    from ..weights import WeightsSpec
+    from .plan import RestorationPlan
 
 PLANNERS = tuple(_PLANNER_TABLE)  # registered at import; a planner registered later is not offered
 # what a server job may ask its result to be written as (extensions without the dot)
 OUTPUT_FORMATS = tuple(e[1:] for e in WRITE_VIDEO_EXTS + WRITE_IMAGE_EXTS)
-DEFAULT_AREA = (1280, 720)  # the reference's default target area
 
 
 def _weights(*args, **kw):
     # .weights imports the DiT and the VAE (~0.5 s on every `ditsp` start, which lists these values): only on use
-    from .weights import WeightsSpec
+    from ..weights import WeightsSpec
 
     return WeightsSpec(*args, **kw)
 
 
 @dataclass(frozen=True)
 class UpscaleRequest:
-    """One restoration; identical on every rank."""
+    """One restoration as the ranks run it; identical on every rank. Every derived value (sizes, windows,
+    latents, VAE modes, the degree, the kernel policy, memory) is in ``plan``."""
 
     input: str
     output: str
+    plan: RestorationPlan
     weights: WeightsSpec = field(default_factory=_weights)
-    area: tuple[int, int] | None = None  # target area (w, h), aspect kept; None: the input's size
-    size: tuple[int, int] | None = None  # exact output size (w, h) before the crop to 16
-    seed: int = 666
     color_fix: str = "wavelet"
-    window_frames: int = 0  # 0: the whole clip in one window
-    overlap: int = 4
-    vae_mode: str = "auto"
-    vae_chunk: int = 1
-    budget_gib: float | None = None  # per-rank memory budget for the VAE's auto mode and the estimate
-    planner: str | None = None  # None: the DiT's SP path by the cost model (path auto); a name: Plan A with it
-    sp: int = 1
     crf: int = 18
     fps: float | None = None  # output frame rate; default: the input's (24 for a folder of frames)
     overwrite: bool = False
     progress: bool = True
     sample_frames: int = 0  # keep this many (input, output) frame pairs for a picture
     handoff: bool = True  # height-sharded VAE: slabs straight to the DiT's windows (False: gather, then scatter)
-    deterministic: bool = DEFAULT_DETERMINISTIC  # fixed-shape kernel calls in the DiT and the VAE: the same frames at every SP degree
     compile: bool = False  # torch.compile of the DiT blocks and the VAE (compiled.py); needs deterministic=False
+
+    @property
+    def sp(self) -> int:
+        return self.plan.sp
+
+    @property
+    def deterministic(self) -> bool:
+        return self.plan.deterministic
 
 
 @dataclass
@@ -93,7 +96,8 @@ class Options:
     input: str
     output: str
     sp: int = 1
-    model: str = "tiny"
+    model: str = DEFAULT_MODEL
+    random_weights: bool = False  # seeded random weights (smoke tests, benchmarks); else checkpoints or shipped files
     dit: str | None = None
     vae: str | None = None
     text_embedding: str | None = None
@@ -121,6 +125,11 @@ class Options:
     progress: bool = True
     deterministic: bool = DEFAULT_DETERMINISTIC
     compile: bool = False
+
+
+def default(name: str):
+    """The default of option ``name`` (a front door's flag defaults come from here)."""
+    return Options.__dataclass_fields__[name].default
 
 
 def from_args(args) -> Options:
@@ -179,9 +188,10 @@ class Checked:
 
     req: UpscaleRequest
     info: object  # ditsp.io.media.VideoInfo
-    frames: int
-    geo: object  # pipeline.sizing.FrameGeometry
-    window: int  # frames of the largest temporal window
+
+    @property
+    def plan(self) -> RestorationPlan:
+        return self.req.plan
 
 
 def _wxh(text: str, what: str) -> tuple[int, int]:
@@ -196,22 +206,43 @@ def _choice(flag: str, value, allowed) -> None:
         raise ValueError(f"{flag} must be one of {', '.join(map(str, allowed))}, got {value!r}")
 
 
+def _output_size(o: Options, info) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """(area, size) of the output as ``frame_geometry`` takes them: the flags', else the model's default."""
+    if o.resolution:
+        return _wxh(o.resolution, "--resolution"), None
+    if o.size:
+        return None, _wxh(o.size, "--size")
+    scale = o.scale
+    if scale is None:
+        m = model_of(o.model)
+        if m.scale is None:
+            return m.area, None
+        scale = m.scale
+    if not 0 < scale <= 16:
+        raise ValueError(f"--scale must be in (0, 16], got {scale}")
+    return (round(info.width * scale), round(info.height * scale)), None
+
+
+def budget_bytes(max_memory_gib: float | None, sp: int) -> int:
+    """The per-rank memory budget: ``--max-memory``, else this machine's free memory over its local ranks."""
+    if max_memory_gib:
+        return int(max_memory_gib * GiB)
+    return available_bytes(1 if under_torchrun() else sp)
+
+
 def check(o: Options) -> Checked:
-    """Everything that can be checked before ranks start; ValueError with a one-line message."""
+    """Everything that can be checked before ranks start, and the plan; ValueError with a one-line message."""
     # the input's probe opens PyAV; kept local so a front door that only lists values does not load codecs
-    from ...io.media import MediaError
-    from ...io.probe import count_frames, probe
-    from .pipeline.padding import padded_length
-    from .pipeline.sizing import frame_geometry
-    from .pipeline.windows import check_window
+    from ....io.media import MediaError
+    from ....io.probe import count_frames, probe
 
     if o.sp < 1:
         raise ValueError(f"--sp must be >= 1, got {o.sp}")
-    if "WORLD_SIZE" not in os.environ:  # local ranks, spawned here: bounded even with --force
+    if not under_torchrun():  # local ranks, spawned here: bounded even with --force
         check_local_ranks(o.sp)
     if o.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {o.threads}")
-    if o.timeout <= 0:
+    if not o.timeout > 0:
         raise ValueError(f"--timeout must be > 0, got {o.timeout}")
     if o.vae_chunk < 1:
         raise ValueError(f"--vae-chunk must be >= 1, got {o.vae_chunk}")
@@ -219,10 +250,17 @@ def check(o: Options) -> Checked:
         raise ValueError(f"--fps must be in (0, 1000], got {o.fps}")
     if not 0 <= o.crf <= 51:
         raise ValueError(f"--crf must be in 0..51, got {o.crf}")
+    if o.window_frames < 0:
+        raise ValueError(f"--window-frames must be >= 0, got {o.window_frames}")
+    if o.overlap < 0:
+        raise ValueError(f"--overlap must be >= 0, got {o.overlap}")
+    if o.max_memory is not None and not 0 < o.max_memory < float("inf"):
+        raise ValueError(f"--max-memory must be a positive number of GiB, got {o.max_memory}")
     if o.compile:
-        from .compiled import check_policy  # local: .compiled loads torch's compiler stack, only for --compile
+        from ..compiled import check_policy  # local: .compiled loads torch's compiler stack, only for --compile
 
         check_policy(o.deterministic)
+    _choice("--model", o.model, MODELS)
     _choice("--color-fix", o.color_fix, COLOR_FIXES)
     _choice("--vae-mode", o.vae_mode, VAE_MODES)
     if o.planner is not None:
@@ -232,6 +270,13 @@ def check(o: Options) -> Checked:
     for flag, path in (("--dit", o.dit), ("--vae", o.vae), ("--text-embedding", o.text_embedding)):
         if path and not os.path.isfile(path):
             raise ValueError(f"{flag} {path}: no such file")
+    dtype = o.dtype or default_dtype(o.model)
+    weights_dtype = None if o.weights_dtype in (None, "stored") else o.weights_dtype
+    weights = _weights(o.model, o.dit, o.vae, o.text_embedding, dtype, weights_dtype=weights_dtype, read=o.weights_read,
+                       random_weights=o.random_weights)  # a model without weights is refused here
+    for what, path in (("DiT", weights.dit), ("VAE", weights.vae)):
+        if path and not os.path.isfile(path):  # the files shipped with the package (a broken install)
+            raise ValueError(f"the model {o.model}'s {what} weights {path} are missing: reinstall ditsp")
     try:
         info = probe(o.input)
         frames = info.frames if info.frames is not None else count_frames(o.input)
@@ -253,58 +298,42 @@ def check(o: Options) -> Checked:
         raise ValueError(f"{o.output}: folder {folder} is not writable")
     if os.path.abspath(o.output) == os.path.abspath(o.input):
         raise ValueError("the output would overwrite the input")
-    area = size = None
-    if o.resolution:
-        area = _wxh(o.resolution, "--resolution")
-    elif o.size:
-        size = _wxh(o.size, "--size")
-    elif o.scale:
-        if not 0 < o.scale <= 16:
-            raise ValueError(f"--scale must be in (0, 16], got {o.scale}")
-        area = (round(info.width * o.scale), round(info.height * o.scale))
-    else:
-        area = DEFAULT_AREA
-    geo = frame_geometry(info.width, info.height, area=area, size=size)
-    if geo.out_width < 16 or geo.out_height < 16:
-        raise ValueError(f"{geo.describe()}: the output must be at least 16x16 after the crop to multiples of 16")
-    if o.window_frames:
-        check_window(o.window_frames, o.overlap)
-    elif o.overlap < 0:
-        raise ValueError(f"--overlap must be >= 0, got {o.overlap}")
-    dtype = o.dtype or default_dtype(o.model)
-    weights_dtype = None if o.weights_dtype in (None, "stored") else o.weights_dtype
-    weights = _weights(o.model, o.dit, o.vae, o.text_embedding, dtype, weights_dtype=weights_dtype, read=o.weights_read)
-    req = UpscaleRequest(
-        input=o.input, output=o.output, weights=weights, area=area, size=size, seed=o.seed,
-        color_fix=o.color_fix, window_frames=o.window_frames, overlap=o.overlap, vae_mode=o.vae_mode,
-        vae_chunk=o.vae_chunk, budget_gib=o.max_memory, planner=o.planner, sp=o.sp, crf=o.crf, fps=o.fps,
-        overwrite=o.overwrite, progress=o.progress, sample_frames=o.sample_frames, deterministic=o.deterministic,
-        compile=o.compile,
-    )
-    window = min(o.window_frames or padded_length(frames), padded_length(frames))
-    return Checked(req, info, frames, geo, window)
-
-
-def check_memory(c: Checked, o: Options) -> str:
-    """The estimate's line; raises MemoryError naming what would fit when it does not."""
-
-    req, geo, window = c.req, c.geo, c.window
-    local = 1 if "WORLD_SIZE" in os.environ else req.sp
-    budget = int(o.max_memory * GiB) if o.max_memory else available_bytes(local)
-    w = req.weights
+    area, size = _output_size(o, info)
     try:  # the DiT's weights as the rank will keep them (a checkpoint's header, or the format asked for)
-        kept = dit_weights(w.model, w.dtype, checkpoint=w.dit, weights_dtype=w.weights_dtype)
+        kept = dit_weights(o.model, dtype, checkpoint=weights.dit, weights_dtype=weights_dtype)
     except FormatError as e:
         raise ValueError(f"--dit {e}") from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    filters, backend = counts_winograd(device, req.deterministic), backend_of(device, req.deterministic)
-    est = estimate(w.model, w.dtype, window, geo.out_hw, req.sp, req.vae_mode,
-                   budget if req.vae_mode == AUTO else None, req.vae_chunk, weights=kept, winograd_filters=filters,
-                   vae_backend=backend)
-    line = f"memory estimate: {est.describe()}; budget {budget / GiB:.2f} GiB per rank"
-    if est.total > budget and not o.force:
-        fits = suggestions(w.model, w.dtype, window, geo.out_hw, req.sp, req.vae_mode, budget, window, weights=kept,
-                           winograd_filters=filters, vae_backend=backend)
+    plan = restoration_plan.build(
+        model=o.model, dtype=dtype, in_width=info.width, in_height=info.height, frames=frames, area=area, size=size,
+        window_frames=o.window_frames, overlap=o.overlap, seed=o.seed, sp=o.sp, vae_mode=o.vae_mode,
+        vae_chunk=o.vae_chunk, planner=o.planner, deterministic=o.deterministic,
+        budget=budget_bytes(o.max_memory, o.sp), weights=kept,
+        winograd_filters=counts_winograd(device, o.deterministic), vae_backend=backend_of(device, o.deterministic))
+    req = UpscaleRequest(
+        input=o.input, output=o.output, plan=plan, weights=weights, color_fix=o.color_fix, crf=o.crf, fps=o.fps,
+        overwrite=o.overwrite, progress=o.progress, sample_frames=o.sample_frames, compile=o.compile,
+    )
+    return Checked(req, info)
+
+
+def check_memory(c: Checked, o: Options) -> str:
+    """The plan's memory line; raises MemoryError naming what would fit when it does not (unless ``force``)."""
+    p, w = c.plan, c.req.weights
+    line = p.memory_line()
+    if p.memory.total > p.budget and not o.force:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        kept = dit_weights(w.model, w.dtype, checkpoint=w.dit, weights_dtype=w.weights_dtype)
+        fits = suggestions(w.model, w.dtype, p.window_frames, p.geometry.out_hw, p.sp, o.vae_mode, p.budget,
+                           p.window_frames, weights=kept, winograd_filters=counts_winograd(device, p.deterministic),
+                           vae_backend=backend_of(device, p.deterministic))
         hint = ("; would fit: " + ", ".join(fits)) if fits else "; nothing smaller fits (try a smaller --resolution)"
         raise MemoryError(f"{line}: does not fit{hint} (or pass --force)")
     return line
+
+
+def prepare(o: Options) -> UpscaleRequest:
+    """The checked request of ``o`` with its plan, held to its memory budget (the Python API's one call)."""
+    c = check(o)
+    check_memory(c, o)
+    return c.req

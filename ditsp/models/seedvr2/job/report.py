@@ -27,6 +27,7 @@ def format_report(s: dict) -> str:
     """The text report of `ditsp upscale`."""
     total = sum(s["stage_s"].values())
     lines = [
+        *(["RANDOM WEIGHTS: seeded random weights (a smoke test), not a restoration"] if s.get("random_weights") else []),
         f"{s['input']} -> {s['output']}: {s['frames_written']} frames, {s['geometry']}, "
         f"{len(s['windows'])} window(s), SP={s['world_size']}",
         f"DiT: {s['dit_path']}",

@@ -3,70 +3,76 @@
 Every rank of the SP group runs :func:`rank_upscale` on the same request:
 
 1. read the input as a stream (every rank decodes the same file, so no frames
-   are broadcast), cut it into temporal windows of up to F = 4n+1 frames that
-   share K frames (:mod:`.pipeline.windows`);
-2. per window: area resize, crop to 16, ``2x - 1`` (:mod:`.pipeline.transform`);
-   pad to 4n+1 frames (never to a multiple of the SP degree, so the result does
-   not depend on it); VAE encode on the group (:class:`.vae.sharded.ParallelVAE`),
-   posterior sample x 0.9152 with noise from the window's seed; the 33-channel
-   input ``[noise | LQ latent | 1]``; one DiT step at t = 1000 under
-   window-aligned SP; ``x0 = noise - v``; cast, divide by 0.9152, decode on the
-   group; drop the padded frames; colour fix against the window's input;
+   are broadcast), in the temporal windows of the request's plan
+   (:mod:`.plan`: windows of up to F = kn+1 frames sharing K frames, k the VAE's
+   time factor);
+2. per window: resize, crop (:mod:`..pipeline.transform`) to the plan's
+   geometry, ``2x - 1``; pad to the plan's kn+1 frames (never to a multiple of
+   the SP degree, so the result does not depend on it); VAE encode on the group
+   in the plan's mode (:class:`..vae.sharded.ParallelVAE`), posterior sample x
+   the VAE's scaling factor with noise from the window's seed; the DiT's input
+   ``[noise | LQ latent | 1]``; one DiT step at t = 1000 under window-aligned
+   SP; ``x0 = noise - v``; unscale, decode on the group; drop the padded frames;
+   colour fix against the window's input;
 3. cross-fade overlapping windows (:class:`.pipeline.windows.StreamingBlender`)
    and, on rank 0, write finished frames as they come (atomic: a temporary file
    renamed at the end; the input's audio is copied).
 
 Noise comes from CPU generators seeded per window, so every rank and every SP
 degree sees the same values. Memory is bounded by one window, not the clip.
+The kernel policy (``plan.deterministic``) is read once, here: the VAE's calls
+run under it and the DiT's runtime is built with it.
+
+Progress: rank 0 calls ``progress(done, total, label)`` as the job advances
+(four steps a window); without a callback a terminal bar is drawn when the
+request asks for one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from dataclasses import asdict
+from typing import Callable
 
 import torch
 
-from ...cpu import malloc as cpu_malloc
-from ...config import ParallelConfig
-from ...distributed.comm import Comm
-from ...distributed.transport import Transport
-from ...distributed.heartbeat import beat
-from ...fixed_shape import shapes_for
-from ...fixed_shape import use as use_kernel_shapes
-from .compiled import compile_dit, compile_vae, describe, stance
-from ...memory import PeakMemory
-from ...windows.ownership import RowOwnership
-from .parallelize import parallelize
-from .pipeline import (
+from ....cpu import malloc as cpu_malloc
+from ....config import ParallelConfig
+from ....distributed.comm import Comm
+from ....distributed.transport import Transport
+from ....distributed.heartbeat import beat
+from ....fixed_shape import shapes_for
+from ....fixed_shape import use as use_kernel_shapes
+from ..compiled import compile_dit, compile_vae, describe, stance
+from ....memory import PeakMemory
+from ....windows.ownership import RowOwnership
+from ..parallelize import parallelize
+from ..pipeline import (
     StreamingBlender,
     seam_metric_from_steps,
     apply_color_fix,
     decoder_latent,
     dit_input,
     dit_timestep,
-    frame_geometry,
     make_generator,
     make_noise,
     one_step_x0,
     pad_frames,
-    plan_windows,
     to_uint8,
     transform_frames,
 )
-from .pipeline.padding import padded_length
 from .request import UpscaleRequest  # noqa: F401 - the request lives in .request; re-exported
-from .vae.modes import AUTO, SLAB_MODES
-from .weights import load
+from ..vae.modes import SLAB_MODES
+from ..weights import load
 
-from .restore_report import STAGES, format_report, plot_report, summarize  # noqa: F401 - re-exported
-from ...io.probe import open_media
-from ...io.write import VideoWriter, write_image
-from ...io.write_behind import WriteBehind
-from .vae.sharded import ParallelVAE
-from ...io.probe import frame_times
-from ...io.probe import count_frames
+from .report import STAGES, format_report, plot_report, summarize  # noqa: F401 - re-exported
+from ....io.probe import open_media
+from ....io.write import VideoWriter, write_image
+from ....io.write_behind import WriteBehind
+from ..vae.sharded import ParallelVAE
+from ....io.probe import frame_times
 GiB = 2**30
 DEFAULT_FPS = 24
 
@@ -131,26 +137,41 @@ class _Stages:
         self.timeline.append((stage, window, start - self.t0, end - self.t0))
 
 
-def _geometry(req: UpscaleRequest, width: int, height: int):
-    return frame_geometry(width, height, area=req.area, size=req.size)
+Progress = Callable[[int, int, str], None]
 
 
-def _transform(req: UpscaleRequest, frames: torch.Tensor) -> torch.Tensor:
-    if req.size is not None:
-        w, h = req.size
-        return transform_frames(frames, size=(h, w))
-    if req.area is not None:
-        w, h = req.area
-        return transform_frames(frames, h, w)
-    return transform_frames(frames)
+class _TerminalBar:
+    """The terminal's progress bar (tqdm, on stderr) as a progress callback."""
+
+    def __init__(self, total: int):
+        from tqdm import tqdm  # local: only a terminal run draws one
+
+        self.bar = tqdm(total=total, desc="upscale", unit="step", leave=False, file=sys.stderr, dynamic_ncols=True)
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        self.bar.n = done
+        self.bar.set_postfix_str(label, refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _transform(geo, frames: torch.Tensor) -> torch.Tensor:
+    """uint8 frames -> the plan's geometry: resized to its size, cropped to its multiple, in [-1, 1]."""
+    return transform_frames(frames, size=geo.resized_hw, multiple=geo.multiple)
 
 
 @torch.no_grad()
-def rank_upscale(ctx, req: UpscaleRequest) -> dict:
-    """One rank's share of a restoration; rank 0 writes the output and returns the full report."""
-    with use_kernel_shapes(shapes_for(req.deterministic)), stance(req.compile):  # the VAE's calls; the DiT's
-        report = _rank_upscale(ctx, req)                                      # come from its runtime
-    report["kernel_shapes"] = shapes_for(req.deterministic).describe()
+def rank_upscale(ctx, req: UpscaleRequest, progress: Progress | None = None) -> dict:
+    """One rank's share of a restoration; rank 0 writes the output and returns the full report.
+
+    ``progress(done, total, label)``: called on rank 0 as the job advances (None: a terminal bar if the
+    request asks for one)."""
+    policy = shapes_for(req.plan.deterministic)  # the one read of the kernel policy: the VAE's calls run under
+    with use_kernel_shapes(policy), stance(req.compile):  # it, the DiT's runtime is built with it
+        report = _rank_upscale(ctx, req, policy.deterministic, progress)
+    report["kernel_shapes"] = policy.describe()
     report["cpu_allocator"] = cpu_malloc.describe()  # this rank's process: the policy, and whether it is in effect
     if req.compile:  # the models stay compiled in this process's cache: a server's next job reuses them
         models = load(req.weights, ctx.device)
@@ -160,14 +181,26 @@ def rank_upscale(ctx, req: UpscaleRequest) -> dict:
     return report
 
 
-def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
-    from tqdm import tqdm  # local: read when the job runs (serve/workers.py swaps in its progress reporter first)
+def _check_plan(ctx, comm: Comm, plan) -> None:
+    """The ranks run the plan they were given for their degree, and all the same one (a torchrun job's ranks
+    each build it): a clear error on every rank otherwise."""
+    if ctx.world_size != plan.sp:
+        raise ValueError(f"the restoration was planned for SP={plan.sp} but runs on {ctx.world_size} ranks")
+    if ctx.world_size > 1:
+        prints = comm.all_gather_object(plan.fingerprint())
+        if len(set(prints)) > 1:
+            raise ValueError(f"the ranks planned different restorations (plan digests {', '.join(prints)}): "
+                             f"give every rank the same input, options and --max-memory")
 
+
+def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progress | None) -> dict:
     entered = time.time()  # wall clock: the job's launcher compares it with its own start
     group = ctx.group if ctx.world_size > 1 else None
     device = ctx.device
+    plan = req.plan
     # The job's one Comm of the group: the weights' load, the VAE, every DiT runtime and the writer's rows.
     comm = Comm.of(group)
+    _check_plan(ctx, comm, plan)
     models = load(req.weights, device, comm=comm)  # a bad checkpoint: the same error on every rank
     loaded = time.time()
     comm.stats.reset()  # the report counts the restoration's traffic, not the weights' load
@@ -176,17 +209,14 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
         compile_vae(models.vae)
     vae = models.vae
     info, chunks = open_media(req.input)
-    frames_total = info.frames
-    if frames_total is None:
-        frames_total = count_frames(req.input)
-    geo = _geometry(req, info.width, info.height)
-    window = req.window_frames or padded_length(frames_total)
-    plan = plan_windows(frames_total, window, min(req.overlap, window - 1), req.seed)
-    budget = int(req.budget_gib * GiB) if req.budget_gib else None
-    pvae = ParallelVAE(vae, comm, chunk=req.vae_chunk, budget_bytes=budget)
+    geo, windows = plan.geometry, plan.windows
+    frames_total = plan.frames
+    if (info.width, info.height) != (geo.in_width, geo.in_height):
+        raise ValueError(f"{req.input}: is {info.width}x{info.height} now, planned as {geo.in_width}x{geo.in_height}")
+    pvae = ParallelVAE(vae, comm, chunk=plan.vae_chunk)
     runtimes: dict = {}
     st = _Stages(device)
-    blender = StreamingBlender(plan, out_dtype=torch.float32)
+    blender = StreamingBlender(windows, out_dtype=torch.float32)
     writer = None
     is_image = info.kind == "image"
     rank0 = ctx.rank == 0
@@ -198,7 +228,19 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
     vae_reports, dit_report = set(), ""
     media_notes = [f"rotation {info.rotation} degrees (display matrix) applied to the frames"] if info.rotation else []
     frames = _Frames(chunks)
-    bar = tqdm(total=len(plan) * 4, desc="upscale", unit="step", disable=not (rank0 and req.progress), leave=False)
+    total, done = len(plan.steps) * 4, 0
+    bar = None
+    if rank0 and progress is None and req.progress:
+        bar = progress = _TerminalBar(total)
+    if not rank0:
+        progress = None
+
+    def advance(label: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, label)
+
     try:
         if rank0 and not is_image:
             fps = req.fps or info.rate or info.fps or DEFAULT_FPS
@@ -206,27 +248,31 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
             writer = WriteBehind(VideoWriter(req.output, fps, crf=req.crf, times=times,
                                              audio_from=req.input if info.has_audio else None,
                                              overwrite=req.overwrite))
-        for win in plan:
-            bar.set_postfix_str(f"window {win.index + 1}/{len(plan)} read+encode")
+        for win in plan.steps:
+            of = f"window {win.index + 1}/{len(plan.steps)}"
             u8 = st.run("read", win.index, frames.take, win.start, win.stop)
-            x = _transform(req, u8)  # (3, T, h, w) fp32 in [-1, 1]: also the colour-fix reference
+            x = _transform(geo, u8)  # (3, T, h, w) fp32 in [-1, 1]: also the colour-fix reference
             n = x.shape[1]
-            xp = pad_frames(x, dim=1)[None]  # (1, 3, 4n+1, h, w)
+            xp = pad_frames(x, vae.cfg.temporal_factor, dim=1)[None]  # (1, 3, kn+1, h, w)
+            if tuple(xp.shape[2:]) != (win.padded, *geo.out_hw):
+                raise RuntimeError(f"{of}: {tuple(xp.shape[2:])} frames/rows/columns, planned "
+                                   f"{(win.padded, *geo.out_hw)}")
             g = make_generator(win.seed)
-
-            # the step follows the mode auto will pick (a pure choice, no collective); the VAE is asked for
-            # req.vae_mode itself, so its report says why
-            mode = pvae.choose(tuple(xp.shape[2:])).mode if req.vae_mode == AUTO else req.vae_mode
-            step = _sharded_window if req.handoff and mode in SLAB_MODES and ctx.world_size > 1 else _whole_window
-            decoded, dit_report = step(ctx, models, pvae, runtimes, req, st, win.index, xp, mode, g, vae_reports, bar)
-            bar.update()
+            handed = req.handoff and win.vae_mode in SLAB_MODES and ctx.world_size > 1
+            via = "; slabs handed to and from the DiT's windows" if handed else ""
+            vae_reports.update(f"VAE {op} mode {win.vae_mode} (SP={ctx.world_size}, {win.vae_reason}{via})"
+                               for op in ("encode", "decode"))
+            step = _sharded_window if handed else _whole_window
+            decoded, dit_report = step(ctx, models, pvae, runtimes, plan, deterministic, st, win, xp, g,
+                                       lambda stage: advance(f"{of} {stage}"))
+            advance(f"{of} decoded")
             if not rank0:
                 _all_ok(comm)
                 continue
             content = decoded[0, :, :n].permute(1, 0, 2, 3)  # (T, 3, H, W), padding dropped
             fixed = st.run("color_fix", win.index, apply_color_fix, content, x.permute(1, 0, 2, 3), req.color_fix)
             ready = blender.push(win.index, fixed.float())
-            bar.update()
+            advance(f"{of} colour fixed")
             if ready.shape[0]:
                 out = to_uint8(ready)
                 digest.update(out.numpy().tobytes())
@@ -253,13 +299,14 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
             for index, start, end, cpu in writer.busy:
                 st.record("write", index, start, end, cpu)
             st.timeline.sort(key=lambda entry: entry[2])
-            st.run("write", len(plan), writer.writer.close)
+            st.run("write", len(plan.steps), writer.writer.close)
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
     report = {
         "rank": ctx.rank,
         "stage_s": st.time,
@@ -272,16 +319,27 @@ def _rank_upscale(ctx, req: UpscaleRequest) -> dict:
     }
     if rank0:
         report.update({
-            "input": req.input, "output": req.output, "request": asdict(req),
+            "input": req.input, "output": req.output, "request": _request_record(req),
+            "random_weights": req.weights.random, "plan": plan.describe(),
             "frames": frames_total, "frames_written": written, "fps": info.fps, "audio": info.has_audio,
             "written_behind": writer is not None,
             "geometry": geo.describe(), "output_size": [geo.out_width, geo.out_height],
-            "windows": [[w.start, w.stop] for w in plan], "dit_path": dit_report, "media_notes": media_notes,
+            "windows": [[w.start, w.stop] for w in plan.steps], "dit_path": dit_report, "media_notes": media_notes,
             "vae_modes": sorted(vae_reports), "sha256": digest.hexdigest(), "timeline": st.timeline,
-            "seams": seam_metric_from_steps(steps, plan.seam_transitions()) if len(plan) > 1 and steps else None,
+            "seams": seam_metric_from_steps(steps, windows.seam_transitions()) if len(windows) > 1 and steps else None,
             "samples": (torch.stack(samples_in), torch.stack(samples_out)) if samples_out else None,
         })
     return report
+
+
+def _request_record(req: UpscaleRequest) -> dict:
+    """The request as the report keeps it: its settings and the plan's choices, as plain values."""
+    d = {k: v for k, v in asdict(req).items() if k != "plan"}
+    p = req.plan
+    d.update(sp=p.sp, deterministic=p.deterministic, planner=p.planner, vae_chunk=p.vae_chunk,
+             window_frames=p.window_frames, overlap=p.windows.overlap, seed=p.steps[0].seed if p.steps else None,
+             output_size=[p.geometry.out_width, p.geometry.out_height])
+    return d
 
 
 def _input_times(req: UpscaleRequest, info, frames: int, notes: list[str]) -> list[float] | None:
@@ -311,54 +369,59 @@ def _runtime(runtimes: dict, comm: Comm, dit, grid, planner: str | None, determi
     return runtimes[grid]
 
 
-def _whole_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, reports, bar):
+def _grid(dit, win, latent_shape) -> tuple[int, int, int]:
+    """The window's token grid as planned (a disagreement with the model's patching is a bug, said so)."""
+    grid = dit.grid_of(latent_shape)
+    if grid != win.grid:
+        raise RuntimeError(f"window {win.index + 1}: the DiT's grid {grid} is not the planned {win.grid}")
+    return grid
+
+
+def _whole_window(ctx, models, pvae, runtimes, plan, deterministic, st, win, xp, g, advance):
     """Every rank holds the whole latent (replicated / chunked / time VAE modes): the DiT scatters and gathers."""
     dit, vae = models.dit, models.vae
 
     def encode():
-        enc = pvae.encode(xp, req.vae_mode)
+        enc = pvae.encode(xp, win.vae_mode)
         eps = make_noise(enc.posterior.mean.shape, g, dtype=torch.float32)
-        reports.add(enc.report)
         z = vae.to_latent(enc.posterior.sample(eps.to(enc.posterior.mean.dtype)))
-        return vae.channels_last(z)[0]  # (t, h', w', 16)
+        return vae.channels_last(z)[0]  # (t, h', w', c)
 
-    latent = st.run("vae_encode", index, encode)
-    bar.update()
+    latent = st.run("vae_encode", win.index, encode)
+    advance("encoded")
     noise = make_noise(latent.shape, g, dtype=torch.float32)
     vid = dit_input(noise, latent.float())
-    rt = _runtime(runtimes, pvae.comm, dit, dit.grid_of(vid.shape), req.planner, req.deterministic)
-    v = st.run("dit", index, lambda: dit(vid.to(dit.dtype), models.text, dit_timestep(ctx.device), runtime=rt))
-    bar.update()
+    rt = _runtime(runtimes, pvae.comm, dit, _grid(dit, win, vid.shape), plan.planner, deterministic)
+    v = st.run("dit", win.index, lambda: dit(vid.to(dit.dtype), models.text, dit_timestep(ctx.device), runtime=rt))
+    advance("DiT done")
     z = decoder_latent(one_step_x0(noise, v), dtype=vae.dtype)
     z = z if z.dim() == 5 else z.unsqueeze(2)
-    decoded = st.run("vae_decode", index, lambda: pvae.decode(z, req.vae_mode))
-    reports.add(pvae.last_report)
+    decoded = st.run("vae_decode", win.index, lambda: pvae.decode(z, win.vae_mode))
     return decoded, rt.report(heads=dit.cfg.heads)
 
 
-def _sharded_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, reports, bar):
+def _sharded_window(ctx, models, pvae, runtimes, plan, deterministic, st, win, xp, g, advance):
     """Height-sharded VAE: each rank's latent slab goes straight to the DiT's windows and back, then its
     decoded pixel rows go to rank 0 (the writer). The whole latent is never held by one rank."""
     dit, vae = models.dit, models.vae
-    T, H, W = xp.shape[2:]
-    t, h, w = vae.cfg.latent_shape(T, H, W)
+    t, h, w = win.latent
+    mode = win.vae_mode
 
     def encode():
         eps = make_noise((1, vae.cfg.latent_channels, t, h, w), g, dtype=torch.float32)  # canonical draw
-        latent, enc = pvae.encode_latent(xp, req.vae_mode, noise=eps.to(vae.dtype), keep_sharded=True)
-        reports.add(enc.report)
-        return vae.channels_last(latent)[0], enc.layout  # (t, rows, w, 16)
+        latent, enc = pvae.encode_latent(xp, mode, noise=eps.to(vae.dtype), keep_sharded=True)
+        return vae.channels_last(latent)[0], enc.layout  # (t, rows, w, c)
 
-    latent, layout = st.run("vae_encode", index, encode)
-    bar.update()
+    latent, layout = st.run("vae_encode", win.index, encode)
+    advance("encoded")
     _, _, h0, h1 = layout.rank_rows(ctx.rank)
     noise = make_noise((t, h, w, vae.cfg.latent_channels), g, dtype=torch.float32)[:, h0:h1]
     slabs = RowOwnership.slabs((t, h, w), [layout.rank_rows(r) for r in range(ctx.world_size)], "VAE slabs")
     rows = dit_input(noise, latent.float()).reshape(-1, noise.shape[-1] * 2 + 1)
-    rt = _runtime(runtimes, pvae.comm, dit, dit.grid_of((t, h, w)), req.planner, req.deterministic)
-    v = st.run("dit", index, lambda: dit(rows.to(dit.dtype), models.text, dit_timestep(ctx.device), runtime=rt,
-                                         rows=slabs))
-    bar.update()
+    rt = _runtime(runtimes, pvae.comm, dit, _grid(dit, win, (t, h, w)), plan.planner, deterministic)
+    v = st.run("dit", win.index, lambda: dit(rows.to(dit.dtype), models.text, dit_timestep(ctx.device), runtime=rt,
+                                             rows=slabs))
+    advance("DiT done")
     x0 = one_step_x0(noise.reshape(-1, noise.shape[-1]), v).reshape(noise.shape)
     z = decoder_latent(x0, dtype=vae.dtype)
     z = z if z.dim() == 5 else z.unsqueeze(2)
@@ -368,8 +431,7 @@ def _sharded_window(ctx, models, pvae, runtimes, req, st, index, xp, mode, g, re
         counts = [b - a for a, b in layout.pixel_rows(vae.cfg.spatial_factor)]
         return _rows_to_rank0(rt.transport, mine, counts)
 
-    decoded = st.run("vae_decode", index, decode)
-    reports.add(f"VAE decode mode {mode} (SP={ctx.world_size}, slabs handed from the DiT's windows)")
+    decoded = st.run("vae_decode", win.index, decode)
     return decoded, rt.report(heads=dit.cfg.heads)
 
 

@@ -1,0 +1,121 @@
+"""The restoration plan: every value a restoration derives from its request, computed once.
+
+:func:`build` turns what the request's check learnt (the input's size and frame
+count) and the request's settings into a :class:`RestorationPlan`: the output
+geometry, the temporal windows, each window's padded length, latent shape and
+DiT token grid (from the model's own VAE and DiT configs, never from constants),
+the VAE mode each window runs (``auto`` resolved here, once, with the reason),
+the DiT's SP path, the kernel policy, and the per-rank memory estimate with the
+budget it was held against. The ranks, the estimate's line, ``ditsp upscale``'s
+summary and the server's warm-up all read it; none recomputes it.
+
+The plan is a pure function of its inputs (no collective, no device), so the
+ranks of a torchrun job that each build it agree; the restoration checks that
+they did (:meth:`RestorationPlan.fingerprint`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+from ..pipeline.padding import padded_length
+from ..pipeline.sizing import FrameGeometry, frame_geometry
+from ..pipeline.windows import WindowPlan, plan_windows
+from ..presets import dit_config, vae_config
+from ..vae.modes import AUTO
+from .budget import Estimate, GiB, choose_vae_mode, estimate
+
+
+@dataclass(frozen=True)
+class WindowStep:
+    """One temporal window as the ranks run it."""
+
+    index: int
+    start: int  # clip frames [start, stop)
+    stop: int
+    seed: int
+    padded: int  # frames after padding to kn + 1 (k: the VAE's time factor)
+    latent: tuple[int, int, int]  # (t, h, w) of the VAE latent
+    grid: tuple[int, int, int]  # the DiT's post-patch token grid
+    vae_mode: str  # resolved: never "auto"
+    vae_reason: str  # why this mode (requested, or what auto compared)
+
+
+@dataclass(frozen=True)
+class RestorationPlan:
+    model: str
+    sp: int  # the degree the plan was made for: per-rank memory depends on it; the ranks check it
+    frames: int  # input frames
+    geometry: FrameGeometry
+    windows: WindowPlan  # the blender's windows (start, stop, seed, overlap)
+    steps: tuple[WindowStep, ...]
+    planner: str | None  # None: the DiT's SP path chosen by the cost model; a name: Plan A with that planner
+    deterministic: bool  # fixed-shape kernel calls in the DiT and the VAE: the same frames at every SP degree
+    vae_chunk: int
+    memory: Estimate  # modelled per-rank peak of the largest window
+    budget: int  # bytes per rank the memory was held against
+
+    @property
+    def window_frames(self) -> int:
+        """Frames of the largest window (before padding)."""
+        return max(s.stop - s.start for s in self.steps)
+
+    @property
+    def grids(self) -> list[tuple[int, int, int]]:
+        """The DiT token grids the windows use (what a server warms its plan cache with)."""
+        return sorted({s.grid for s in self.steps})
+
+    @property
+    def dit_path(self) -> str:
+        return "auto (the cost model's choice)" if self.planner is None else f"window, planner {self.planner}"
+
+    def fingerprint(self) -> str:
+        """A digest of everything the ranks must agree on."""
+        d = asdict(self)
+        d["memory"] = None  # the estimate is advice; the modes it chose are in the steps
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        modes = sorted({s.vae_mode for s in self.steps})
+        return (f"{self.frames} frame(s), {self.geometry.describe()}, {len(self.steps)} window(s) of up to "
+                f"{self.window_frames} frames, latent {self.steps[0].latent}, VAE {'/'.join(modes)}, SP={self.sp}")
+
+    def memory_line(self) -> str:
+        return f"memory estimate: {self.memory.describe()}; budget {self.budget / GiB:.2f} GiB per rank"
+
+
+def build(*, model: str, dtype: str, in_width: int, in_height: int, frames: int, area, size, window_frames: int,
+          overlap: int, seed: int, sp: int, vae_mode: str, vae_chunk: int, planner: str | None, deterministic: bool,
+          budget: int, weights=None, winograd_filters: bool = False, vae_backend: str = "cuda") -> RestorationPlan:
+    """The plan of one restoration (``area``/``size``: the output as ``frame_geometry`` takes them; ``weights``:
+    the DiT's weights as kept, :func:`.weight_memory.dit_weights`). ValueError (one line) for what cannot
+    run; the memory estimate is advice, held against ``budget`` by the request's check."""
+    vae, dit = vae_config(model), dit_config(model)
+    _, ph, pw = dit.patch_size
+    geo = frame_geometry(in_width, in_height, area=area, size=size, multiple=vae.spatial_factor * max(ph, pw))
+    if geo.out_width < vae.spatial_factor * pw or geo.out_height < vae.spatial_factor * ph:
+        raise ValueError(f"{geo.describe()}: the output is smaller than one {vae.spatial_factor * pw}x"
+                         f"{vae.spatial_factor * ph} block after the crop")
+    k = vae.temporal_factor
+    window = min(window_frames or padded_length(frames, k), padded_length(frames, k))
+    windows = plan_windows(frames, window, min(overlap, window - 1), seed, temporal_factor=k)
+    est = estimate(model, dtype, window, geo.out_hw, sp, vae_mode, budget, vae_chunk, weights=weights,
+                   winograd_filters=winograd_filters, vae_backend=vae_backend)
+    left = budget - (est.total - est.vae)  # what the VAE may use after everything else the rank holds
+    steps = []
+    for w in windows:
+        padded = padded_length(w.length, k)
+        latent = vae.latent_shape(padded, *geo.out_hw)
+        if latent[1] % ph or latent[2] % pw:
+            raise ValueError(f"latent {latent} does not divide by the DiT's patch {dit.patch_size}")
+        mode, why = choose_vae_mode(model, dtype, (padded, *geo.out_hw), sp, vae_mode, left, vae_chunk,
+                                    winograd_filters=winograd_filters, vae_backend=vae_backend)
+        steps.append(WindowStep(w.index, w.start, w.stop, w.seed, padded, latent,
+                                (latent[0], latent[1] // ph, latent[2] // pw), mode, why))
+    return RestorationPlan(model, sp, frames, geo, windows, tuple(steps), planner, deterministic, vae_chunk, est,
+                           budget)
+
+
+__all__ = ["AUTO", "RestorationPlan", "WindowStep", "build"]
