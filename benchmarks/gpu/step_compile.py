@@ -1,5 +1,5 @@
 """Step 5a: ``--compile`` of the DiT blocks (:func:`ditsp.models.seedvr2.compiled.compile_dit`) against eager:
-the 3B at released widths with a few blocks (both block kinds and the last block), 720p: eager and
+the 3B at released widths cut to the profile's blocks (two: one with its text tail, the last), 720p: eager and
 compiled forward time, the first compiled forward (the compile), graphs and graph breaks, and the
 output against eager. A compile that falls back to eager is a failure. The tiny profile traces with
 dynamo's ``eager`` backend (no code generation) so the dry run takes seconds.

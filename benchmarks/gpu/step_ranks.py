@@ -45,7 +45,8 @@ def _nccl_of_one(ctx) -> None:
     try:
         rc = init_from_env(timeout_s=60)
         dev = rc.device
-        facts = dict(backend=dist.get_backend(rc.group), device=str(dev), current=torch.cuda.current_device(),
+        facts = dict(backend=dist.get_backend(rc.group), device=str(dev),
+                     current=torch.cuda.current_device() if dev.type == "cuda" else None,
                      async_error_handling=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "(torch default)"))
         t = torch.arange(4.0, device=dev)
         dist.all_reduce(t, group=rc.group)
