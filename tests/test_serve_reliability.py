@@ -153,7 +153,7 @@ def allowed(tmp_path):
 
 def test_named_pipes_are_refused_at_once(tmp_path, allowed):
     data = tmp_path / "data"
-    with Server(Settings(data_dir=str(data), allow_input=[str(allowed)])) as srv, \
+    with Server(Settings(data_dir=str(data), allow_input=[str(allowed)], random_weights=True)) as srv, \
             httpx.Client(base_url=srv.url, timeout=20) as c:
         for path in ("pipe.mp4", "frames"):
             r = c.post("/v1/jobs", data={"path": path, "options": "{}"})
@@ -164,10 +164,10 @@ def test_named_pipes_are_refused_at_once(tmp_path, allowed):
 
 def test_error_bodies_do_not_show_server_paths(tmp_path, allowed):
     data = tmp_path / "data"
-    with Server(Settings(data_dir=str(data), allow_input=[str(allowed)])) as srv, \
+    with Server(Settings(data_dir=str(data), allow_input=[str(allowed)], random_weights=True)) as srv, \
             httpx.Client(base_url=srv.url, timeout=20) as c:
         bodies = [c.post("/v1/jobs", files={"file": ("x.mp4", os.urandom(5000))}).text,
-                  c.post("/v1/jobs", data={"path": "ok.mp4", "options": '{"window_frames": 6}'}).text,
+                  c.post("/v1/jobs", data={"path": "ok.mp4", "options": '{"window_frames": -1}'}).text,
                   c.post("/v1/jobs", data={"path": "ok.mp4", "options": '{"size": "8x8"}'}).text]
         for body in bodies:
             assert str(tmp_path) not in body and os.path.realpath(tmp_path) not in body, body
@@ -179,7 +179,8 @@ def test_error_bodies_do_not_show_server_paths(tmp_path, allowed):
 
 def test_a_cancelled_queued_job_loses_its_upload(tmp_path, allowed):
     data = tmp_path / "data"
-    with Server(Settings(data_dir=str(data))) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+    with Server(Settings(data_dir=str(data), random_weights=True)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
         with open(allowed / "ok.mp4", "rb") as f:
             r = c.post("/v1/jobs", files={"file": ("ok.mp4", f)}, data={"options": '{"resolution": "32x32"}'})
         assert r.status_code == 201, r.text
@@ -216,7 +217,7 @@ def test_results_past_the_retention_are_deleted(tmp_path):
 def test_refusing_a_huge_request_builds_the_vae_once(tmp_path, allowed, monkeypatch):
     """The estimate counts the VAE's parameters on the meta device; before, it rebuilt it ~100 times per
     refusal (10 s of CPU for a 99999x99999 request)."""
-    from ditsp.models.seedvr2 import request
+    from ditsp.models.seedvr2.job import request
     from ditsp.models.seedvr2.vae import memory, model
 
     memory.num_params.cache_clear()
@@ -224,6 +225,7 @@ def test_refusing_a_huge_request_builds_the_vae_once(tmp_path, allowed, monkeypa
     init = model.VideoVAE.__init__
     monkeypatch.setattr(model.VideoVAE, "__init__", lambda self, *a, **k: (built.append(1), init(self, *a, **k))[1])
     opts = request.Options(input=str(allowed / "ok.mp4"), output=str(tmp_path / "o.mp4"), sp=2, model="seedvr2-3b",
+                           random_weights=True,
                            resolution="99999x99999", seed=1, color_fix="none", timeout=60.0, progress=False)
     for _ in range(2):
         checked = request.check(opts)

@@ -18,6 +18,16 @@ goes back to the head of the queue and re-runs on the rebuilt group. The
 pipeline's output does not depend on the SP degree, so the re-run writes the
 same frames. Lost members are replaced by freshly spawned workers (when
 ``respawn``), which join between jobs and receive their weights from a peer.
+
+Failures are bounded. A replacement starts at once after one loss, then after
+a wait that doubles with each further failure in a row (up to
+``RESPAWN_WAIT_S``); after ``max_failures`` in a row without the group standing
+complete, no more are started. Weights that fail to load (a corrupt or
+non-finite checkpoint) fail the same way on any worker, so that is not retried:
+the controller stops. When it stops, or no rank is left and none can come, it
+sets :attr:`Controller.error` and :attr:`Controller.failed` (`ditsp serve`
+then exits with that one line), kills its workers, and the API refuses jobs
+(503) instead of queueing work that would never run.
 """
 
 from __future__ import annotations
@@ -31,18 +41,26 @@ from dataclasses import asdict, dataclass, field
 
 from ..distributed.launcher import loopback_store
 from .store import JobStore
-from .workers import Worker, call
+from ..errors import one_line
+from .inputs import release
+from .handles import Worker, call
+from .workers import WeightsLoadError
 from .workers import request_grids
-from ..models.seedvr2.request import UpscaleRequest
-from ..models.seedvr2.restore import summarize
+from ..models.seedvr2.job.request import UpscaleRequest
+from ..models.seedvr2.job.restore import summarize
 
 log = logging.getLogger("ditsp.serve")
 
 MAX_ATTEMPTS = 3
+RESPAWN_WAIT_S = (0.5, 30.0)  # wait before the 2nd replacement in a row (the 1st starts at once), and the longest
 
 
 class _Stopping(Exception):
     pass
+
+
+class _Fatal(Exception):
+    """No group can form (weights that do not load, workers that keep dying): the controller stops."""
 
 
 @dataclass
@@ -71,6 +89,7 @@ class Controller:
         if sp < 1:
             raise ValueError(f"--sp must be >= 1, got {sp}")
         self.store, self.spec, self.sp = store, spec, sp
+        self.plan_job = None  # (job record, group size) -> UpscaleRequest: the front door's check, re-run
         self.metrics = metrics
         self.timeout_s, self.threads = timeout_s, threads
         self.respawn = respawn
@@ -83,7 +102,13 @@ class Controller:
         self.generation = 0
         self.reconfigurations: list[Reconfiguration] = []
         self.ready = threading.Event()
+        self.failed = threading.Event()  # set once the controller gave up (``error`` says why)
         self.error: str | None = None
+        self.max_failures = 2 * sp + 2  # worker failures in a row before no more are started
+        self._failures = 0  # worker failures since the group last stood complete
+        self._last_failure = ""
+        self._owed = 0  # replacements to start at ``_spawn_at``
+        self._spawn_at = 0.0
         self.current_job: str | None = None
         self._stop = threading.Event()
         self._next_index = 0
@@ -101,11 +126,21 @@ class Controller:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=30)
+        if self._thread.ident is not None:  # started (a server without workers never starts it)
+            self._thread.join(timeout=30)
         for w in self.members + self.joining:
             w.stop()
         self.members, self.joining = [], []
         self._tcp = None
+
+    def refusal(self) -> str | None:
+        """Why a job cannot be accepted now, in one line (None: it can be queued)."""
+        if self.error:
+            return f"the server cannot run jobs: {self.error}"
+        if self._failures and not self.members:
+            return (f"no rank is up ({self._failures} worker failure(s) in a row, last: {self._last_failure}); "
+                    f"retrying, try again later")
+        return None
 
     def status(self) -> dict:
         members = list(self.members)
@@ -115,6 +150,7 @@ class Controller:
             "ranks": len(members),
             "target_ranks": self.sp,
             "joining": len(self.joining),
+            "failures_in_a_row": self._failures,
             "generation": self.generation,
             "workers": [{"rank": i, "pid": w.pid} for i, w in enumerate(members)],
             "current_job": self.current_job,
@@ -134,21 +170,21 @@ class Controller:
             self._tcp, (_, self._port) = loopback_store(1, self.timeout_s)
             for _ in range(self.sp):
                 self._spawn()
-            failed = 0
-            while not all(w.poll_ready(0.1) for w in self.joining):  # a loaded machine may take minutes
-                if self._stop.is_set():
-                    return
-                for w in [w for w in self.joining if not w.alive]:
-                    failed += 1
-                    if failed > 2 * self.sp:
-                        raise RuntimeError(f"workers keep dying at start (last exit code {w.proc.exitcode})")
-                    self.joining.remove(w)
-                    self._spawn()
+            # every first worker started (a loaded machine may take minutes) or given up on
+            while self._owed or not all(w.poll_ready(0.1) for w in self.joining):
+                self._check_stop()
+                self._reap()
+                self._respawn_due()
+                self._check_alive()
+                self._idle(0.1)
             self._rebuild("start")
+            self._check_alive()
             self.ready.set()
             while not self._stop.is_set():
                 self._expire()
                 self._reap()
+                self._respawn_due()
+                self._check_alive()
                 self._admit()
                 if self._needs_rebuild():
                     self._rebuild("rank lost" if self._deaths else "rank joined")
@@ -163,10 +199,19 @@ class Controller:
                 self._run(job)
         except _Stopping:
             pass
-        except BaseException as e:  # noqa: BLE001 - the server reports it in /healthz
+        except _Fatal as e:
+            self._give_up(str(e))
+        except BaseException as e:  # noqa: BLE001 - the server reports it in /healthz, and stops
             log.exception("controller failed")
-            self.error = f"{type(e).__name__}: {e}"
-            self.ready.set()
+            self._give_up(one_line(f"the scheduler failed: {type(e).__name__}: {e}"))
+
+    def _give_up(self, reason: str) -> None:
+        self.error = reason  # in /healthz and every refused job; `ditsp serve` exits with it
+        for w in self.members + self.joining:
+            w.kill()
+        self.members, self.joining, self._owed = [], [], 0
+        self.failed.set()
+        self.ready.set()
 
     def _expire(self) -> None:
         """Every minute: delete results (and any upload left) of jobs finished more than ``retention_s`` ago."""
@@ -178,7 +223,9 @@ class Controller:
             _release_input(job)
 
     def _idle(self, timeout: float) -> None:
-        """Wait for a member's death, a joiner's hello, or ``timeout``."""
+        """Wait for a member's death, a joiner's hello, a replacement's start time, or ``timeout``."""
+        if self._owed:
+            timeout = max(0.0, min(timeout, self._spawn_at - time.monotonic()))
         waitables = [w.proc.sentinel for w in self.members + self.joining]
         waitables += [w.answers for w in self.joining]
         if waitables:
@@ -193,17 +240,46 @@ class Controller:
         for w in list(self.joining):
             if not w.alive:
                 self.joining.remove(w)
-                if self.respawn:
-                    self._spawn()
+                w.kill()  # reaped
+                self._replace(f"worker {w.index} ended while starting (exit code {w.proc.exitcode})")
 
     def _lost(self, w: Worker) -> None:
         if w in self.members:
             self.members.remove(w)
             self._deaths.append(time.monotonic())
             log.warning("worker %d (pid %d) lost", w.index, w.pid)
+        if w in self.joining:
+            self.joining.remove(w)
         w.kill()
-        if self.respawn:
-            self._spawn()
+        self._replace(f"worker {w.index} lost (exit code {w.proc.exitcode})")
+
+    def _replace(self, reason: str) -> None:
+        """A worker is gone: owe a replacement, started at once the first time, then after a wait that
+        doubles with each failure in a row; none past ``max_failures`` in a row."""
+        self._last_failure = reason
+        if not self.respawn:
+            return
+        self._failures += 1
+        if self._failures > self.max_failures:
+            if self._failures == self.max_failures + 1:
+                log.warning("%d worker failures in a row (last: %s): no more workers are started",
+                            self.max_failures, reason)
+            return
+        wait = 0.0 if self._failures == 1 else min(RESPAWN_WAIT_S[0] * 2 ** (self._failures - 2), RESPAWN_WAIT_S[1])
+        self._owed += 1
+        self._spawn_at = max(self._spawn_at, time.monotonic() + wait)
+
+    def _respawn_due(self) -> None:
+        if self._owed and time.monotonic() >= self._spawn_at:
+            for _ in range(self._owed):
+                self._spawn()
+            self._owed = 0
+
+    def _check_alive(self) -> None:
+        """No member, no worker starting and none to come: no group can ever form."""
+        if not self.members and not self.joining and not self._owed:
+            why = f"{self._failures} worker failure(s) in a row" if self.respawn else "--no-respawn"
+            raise _Fatal(f"no rank is left and none is started ({why}; last: {self._last_failure or 'none'})")
 
     def _admit(self) -> None:
         for w in self.joining:
@@ -244,6 +320,8 @@ class Controller:
         for w in joiners:
             self.joining.remove(w)
         self.members = group
+        if len(group) == self.sp:  # complete again: failures start counting afresh
+            self._failures = 0
         rec.form_s, rec.weights_s, rec.replan_s = b - a, c - b, d - c
         rec.noticed_at = noticed if self._deaths else None
         rec.drain_s, self._drain_s = (self._drain_s if self._deaths else 0.0), 0.0
@@ -264,6 +342,10 @@ class Controller:
                     rec.weights_bytes = max(rec.weights_bytes, r.get("bytes", 0))
         if not errors:
             return True
+        load = [e for e in errors.values() if e.startswith(WeightsLoadError.__name__ + ":")]
+        if load and not results:  # the checkpoints themselves, and no rank holds weights: none ever will
+            raise _Fatal("cannot load the weights: "
+                         + one_line(load[0].splitlines()[0].removeprefix(WeightsLoadError.__name__ + ":").strip()))
         log.warning("%s failed: %s", name, "; ".join(e.splitlines()[0] for e in errors.values()))
         self._failed_steps += 1
         for w in list(group):
@@ -288,17 +370,24 @@ class Controller:
 
     # -- jobs -----------------------------------------------------------------
 
-    def _request(self, job: dict):
-        r = dict(job["request"])
-        for k in ("area", "size"):
-            if r.get(k) is not None:
-                r[k] = tuple(r[k])
-        return UpscaleRequest(**r, weights=self.spec, overwrite=True, progress=True, sample_frames=0)
+    def _request(self, job: dict) -> UpscaleRequest:
+        """The job's request, planned for the group as it is now (its size may have changed since submit)."""
+        if self.plan_job is None:
+            raise RuntimeError("the controller was started without a job planner")
+        return self.plan_job(job, len(self.members))
 
     def _run(self, job: dict) -> None:
         job_id = self.current_job = job["id"]
-        req = self._request(job)
-        self._planner = req.planner
+        try:
+            req = self._request(job)
+        except (ValueError, OSError, MemoryError) as e:  # e.g. its input went away: this job fails, not the server
+            self.current_job = None
+            self.store.finish(job_id, "failed", error=one_line(f"the job cannot run: {e}", 500))
+            _release_input(job)
+            if self.metrics is not None:
+                self.metrics.job_done(job, None, 0.0, "failed")
+            return
+        self._planner = req.plan.planner
         group = list(self.members)
         rank0 = group[0]
         last = [(-1, -1)]
@@ -366,9 +455,10 @@ def _is_group_failure(errors: dict) -> bool:
 
 
 def _release_input(job: dict) -> None:
-    """A finished job's upload is deleted (it can never run again); inputs named by path are not ours."""
+    """A finished job's own input (its upload, or its pinned copy of a named one) is deleted: it can never
+    run again. The file a job named is never touched."""
     if job.get("input_owned"):
-        _remove(job["input_path"])
+        release(job["input_path"])
 
 
 def _remove(path: str) -> None:

@@ -1,6 +1,7 @@
 """Persistent worker processes that form, lose and re-form SP groups without reloading weights.
 
-A :class:`Worker` is one spawned process that lives as long as the server. It
+What one worker process runs (the server's handle on it is
+:class:`~.handles.Worker`). A worker is a spawned process that lives as long as the server. It
 keeps its weights (the per-process cache of :mod:`ditsp.models.seedvr2.weights`)
 across groups. The server hosts one TCPStore on 127.0.0.1; every group
 *generation* rendezvouses under its own key prefix (``ditsp-gen<g>/``), so a
@@ -19,10 +20,13 @@ Commands a worker runs (one at a time, answered over its own pipe):
 - ``replan``: build the SP runtimes of the grids recent jobs used (the server
   sends the same list to every rank) at the new degree (window plans are
   cached, so this fills the cache before the next job needs it);
-- ``job``: :func:`~ditsp.models.seedvr2.restore.rank_upscale`, with rank 0's
+- ``job``: :func:`~ditsp.models.seedvr2.job.restore.rank_upscale`, with rank 0's
   progress written to a shared array the server reads.
 
-A worker dies with the server (the launcher's ``die_with_parent``). When a
+A worker dies with the server, also while it is still starting (:mod:`.boot`
+arms the kernel's parent-death signal before any heavy import; the launcher's
+``die_with_parent`` adds a watchdog). Weights that fail to load from storage
+are answered as :class:`WeightsLoadError`, which stops the server. When a
 peer dies mid-collective, gloo raises on the survivors (the dead peer's
 sockets close); a survivor then drops its process group at once, so peers
 blocked on it fail too, and it waits for the next ``form``.
@@ -30,16 +34,12 @@ blocked on it fail too, and it waits for the next ``form``.
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.connection
 import os
 import signal
 import time
 import traceback
-from dataclasses import replace
 
 import torch
-import torch.multiprocessing as mp
 
 from ..cpu import malloc as cpu_malloc
 from ..distributed.comm import Comm
@@ -47,29 +47,25 @@ from ..models.meta import meta_device
 from ..distributed.elastic import STORE_PREFIX, ElasticGroup  # noqa: F401 - STORE_PREFIX re-exported
 from ..distributed.launcher import _loopback_ifname, die_with_parent, error_line
 from ..weights import is_quantized
-from ..models.seedvr2.nadit.config import get_config
 from ..models.seedvr2.nadit.model import NaDiT
 from ..models.seedvr2.vae import VideoVAE
-from ..models.seedvr2.vae.config import PRESETS as VAE_PRESETS
-from ..models.seedvr2.weights import MODELS
-from ..io.probe import count_frames, probe
-from ..models.seedvr2.pipeline import frame_geometry, plan_windows
-from ..models.seedvr2.pipeline.padding import padded_length
+from ..models.seedvr2.presets import dit_config, vae_config
 from ..config import ParallelConfig
 from ..models.seedvr2.parallelize import parallelize
 from ..distributed.heartbeat import install
-from ..models.seedvr2.restore import rank_upscale
+from ..models.seedvr2.job.restore import rank_upscale
 from ..models.seedvr2 import weights
-
-
-class WorkerDied(RuntimeError):
-    """A worker process ended (its pipe closed or its process exited)."""
 
 
 # -- worker side ----------------------------------------------------------------
 
 PEER_LOST_SIGNAL = signal.SIGUSR2  # the server's "a peer of your group died" to a worker inside a job
 _in_job = [False]
+
+
+class WeightsLoadError(RuntimeError):
+    """The checkpoints failed to load from storage (corrupt, non-finite, wrong shapes...): any worker would
+    fail the same way, so the server stops instead of replacing workers (the controller reads the name)."""
 
 
 class PeerLost(RuntimeError):
@@ -83,28 +79,14 @@ def _on_peer_lost(signum, frame) -> None:
         raise PeerLost("a peer of this group was lost; the job stops to re-form the group")
 
 
-class _Progress:
-    """A stand-in for tqdm's bar inside a worker: rank 0's step counts go to a shared array."""
+def progress_to(shared):
+    """A job's progress callback in a worker: rank 0's step counts go to the shared array (done, total) the
+    server copies into the job's row."""
 
-    shared = None  # multiprocessing Array('l', 2): done, total
+    def progress(done: int, total: int, label: str) -> None:
+        shared[0], shared[1] = done, total
 
-    def __init__(self, *args, total=None, disable=False, **kwargs):
-        self.n, self.total, self.disable = 0, int(total or 0), disable
-        self._publish()
-
-    def _publish(self):
-        if not self.disable and _Progress.shared is not None:
-            _Progress.shared[0], _Progress.shared[1] = self.n, self.total
-
-    def update(self, n=1):
-        self.n += n
-        self._publish()
-
-    def set_postfix_str(self, *args, **kwargs):
-        pass
-
-    def close(self):
-        pass
+    return progress
 
 
 def _tensors(models) -> list[tuple[str, torch.Tensor]]:
@@ -124,8 +106,8 @@ def _quantized(models) -> bool:
 def _skeleton(spec):
     """The DiT and VAE of ``spec`` with unallocated storage (no initialisation, no file read)."""
     with meta_device():
-        dit = NaDiT(get_config(spec.model))
-        vae = VideoVAE(VAE_PRESETS[MODELS[spec.model]])
+        dit = NaDiT(dit_config(spec.model))
+        vae = VideoVAE(vae_config(spec.model))
     return dit.to_empty(device="cpu"), vae.to_empty(device="cpu")
 
 
@@ -154,7 +136,10 @@ def share_weights(spec, comm: Comm) -> dict:
             return {"source": "cache", "copy_s": 0.0, "bytes": 0}
         # From storage: together when no rank holds them (spec.read may name one reader for the group),
         # else alone (the holders have returned and take no part in a collective).
-        weights.load(spec, comm=comm if not any(h for h, _ in pairs) else None)
+        try:
+            weights.load(spec, comm=comm if not any(h for h, _ in pairs) else None)
+        except Exception as e:  # noqa: BLE001 - reported to the server as what it is
+            raise WeightsLoadError(error_line(e)) from e
         return {"source": "storage", "copy_s": time.perf_counter() - t0, "bytes": 0}
     src = flags.index(True)
     if comm.rank == src:
@@ -190,16 +175,8 @@ def share_weights(spec, comm: Comm) -> dict:
 
 
 def request_grids(req) -> list[tuple[int, int, int]]:
-    """The DiT grids a request's windows use (for warming the plan cache at a new degree)."""
-    info = probe(req.input)
-    frames = info.frames if info.frames is not None else count_frames(req.input)
-    geo = frame_geometry(info.width, info.height, area=req.area, size=req.size)
-    window = req.window_frames or padded_length(frames)
-    grids = set()
-    for win in plan_windows(frames, window, min(req.overlap, window - 1), req.seed):
-        t = (padded_length(win.stop - win.start) - 1) // 4 + 1
-        grids.add((t, geo.out_height // 16, geo.out_width // 16))  # VAE 8x8, patch 1x2x2
-    return sorted(grids)
+    """The DiT grids a request's windows use (for warming the plan cache at a new degree): its plan's."""
+    return req.plan.grids
 
 
 def replan(spec, grids, planner: str, comm: Comm) -> dict:
@@ -214,23 +191,21 @@ def replan(spec, grids, planner: str, comm: Comm) -> dict:
     return {"replan_s": time.perf_counter() - t0, "grids": len(grids)}
 
 
-def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, answers, progress,
-                 parent_pid: int, beats=None) -> None:
-    die_with_parent(parent_pid)
-    if beats is not None:
-        install(beats, 0)  # collectives and pipeline stages bump it: the server's stuck-worker check
+def worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, answers, progress, beats,
+                parent_pid: int) -> None:
+    """A worker's life (started by :func:`.boot.worker_entry`): hello, then commands until told to stop."""
+    die_with_parent(parent_pid)  # the watchdog (the kernel's signal is armed already)
+    install(beats, 0)  # collectives and pipeline stages bump it: the server's stuck-worker check
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     ifname = _loopback_ifname()
     if ifname:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
     torch.set_num_threads(threads)
-    import tqdm  # local: imported in the worker process only, which swaps in its progress reporter
-
-    tqdm.tqdm = _Progress  # rank_upscale's progress bar reports to the server instead of a terminal
-    _Progress.shared = progress
+    report_progress = progress_to(progress)
     # import what a job needs now, so neither a job nor a joining rank pays for it later
     from ..io import probe, read, write  # noqa: F401
-    from ..models.seedvr2 import parallelize, restore  # noqa: F401
+    from ..models.seedvr2 import parallelize  # noqa: F401
+    from ..models.seedvr2.job import restore  # noqa: F401
     from ..models.seedvr2.vae import sharded  # noqa: F401
 
     group = ElasticGroup(port, timeout_s)
@@ -249,11 +224,11 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
             elif name == "replan":
                 out = replan(payload["spec"], payload["grids"], payload["planner"], group.comm())
             elif name == "job":
-                req = replace(payload["req"], sp=group.world)
+                req = payload["req"]  # planned for this group's size (the ranks check it)
                 progress[0], progress[1] = 0, 0
                 _in_job[0] = True
                 try:
-                    out = rank_upscale(group.context(), req)
+                    out = rank_upscale(group.context(), req, progress=report_progress)
                 finally:
                     _in_job[0] = False
             elif name == "load":
@@ -273,134 +248,3 @@ def _worker_main(index: int, port: int, timeout_s: float, threads: int, tasks, a
         if name == "job":  # idle until the next job: hold only what is live (the reuse policy keeps the rest)
             cpu_malloc.release_free_heap()
     group.drop()
-
-
-# -- server side ----------------------------------------------------------------
-
-
-class Worker:
-    """One persistent worker process (spawned; see the module doc)."""
-
-    def __init__(self, index: int, port: int, timeout_s: float = 60.0, threads: int = 1):
-        ctx = mp.get_context("spawn")
-        self.index = index
-        self.tasks = ctx.Queue()
-        reader, writer = ctx.Pipe(duplex=False)
-        self.answers = reader
-        self.progress = ctx.Array("l", 2, lock=False)
-        self.beats = ctx.Array("Q", 1, lock=False)
-        self.proc = ctx.Process(target=_worker_main, name=f"ditsp-serve-worker-{index}", daemon=True,
-                                args=(index, port, timeout_s, threads, self.tasks, writer, self.progress,
-                                      os.getpid(), self.beats))
-        with cpu_malloc.for_new_processes():
-            self.proc.start()
-        writer.close()
-        self.ready = False
-        self.has_weights = False
-        self._ids = 0
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.is_alive()
-
-    def poll_ready(self, timeout: float = 0.0) -> bool:
-        """True once the process has started and answered its hello."""
-        if not self.ready and self.answers.poll(timeout):
-            cid, ok, _ = self.answers.recv()
-            self.ready = ok and cid == 0
-        return self.ready
-
-    def send(self, name: str, payload: dict | None = None) -> int:
-        self._ids += 1
-        self.tasks.put((self._ids, name, payload or {}))
-        return self._ids
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(timeout=5)
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.tasks.put(None)
-            except Exception:  # noqa: BLE001
-                pass
-            self.proc.join(timeout=3)
-        self.kill()
-
-
-def call(workers: list[Worker], name: str, payloads: list[dict], timeout_s: float,
-         on_wait=None, interrupt: bool = False) -> tuple[dict, dict, list[Worker]]:
-    """Send one command to each worker and collect the answers.
-
-    Returns ``(results, errors, dead)``: answers by worker index, error texts
-    by worker index, and the workers that died meanwhile. Once a worker dies or
-    fails, the others get a short grace to answer (a survivor blocked in a
-    collective with the dead one fails soon after); with ``interrupt`` they
-    are told at once (:data:`PEER_LOST_SIGNAL`), so they stop their job
-    instead of computing until their next collective fails. ``timeout_s`` is a
-    stuck-worker check: a worker that has answered nothing and whose heartbeat
-    (collectives, pipeline stages) has not moved for that long is stuck; a long
-    job that progresses is not. ``on_wait()`` is called about twice a second
-    while waiting (progress, cancellation).
-    """
-    ids = {w.index: w.send(name, p) for w, p in zip(workers, payloads)}
-    results: dict = {}
-    errors: dict = {}
-    dead: list[Worker] = []
-    grace = None
-    pending = {w.index: w for w in workers}
-    start = time.monotonic()
-    seen = {w.index: w.beats[0] for w in workers}
-    moved = {w.index: start for w in workers}
-    while pending:
-        now = time.monotonic()
-        for w in pending.values():
-            if w.beats[0] != seen[w.index]:
-                seen[w.index], moved[w.index] = w.beats[0], now
-        deadline = min(moved[i] for i in pending) + timeout_s
-        limit = deadline if grace is None else min(deadline, grace)
-        if now >= limit:
-            break
-        waitables = {}
-        for w in pending.values():
-            waitables[w.answers] = w
-            waitables[w.proc.sentinel] = w
-        ready = multiprocessing.connection.wait(list(waitables), timeout=min(0.5, limit - now))
-        for w in {id(waitables[r]): waitables[r] for r in ready}.values():
-            got = None
-            try:
-                while w.answers.poll():
-                    cid, ok, payload = w.answers.recv()
-                    if cid == ids[w.index]:
-                        got = (ok, payload)
-            except (EOFError, OSError):
-                pass
-            if got is not None:
-                (results if got[0] else errors)[w.index] = got[1]
-                pending.pop(w.index)
-                if not got[0]:
-                    grace = grace or time.monotonic() + 10.0
-            elif not w.alive:
-                w.noticed_at = time.monotonic()
-                w.proc.join(timeout=1)
-                dead.append(w)
-                errors[w.index] = f"worker {w.index} (pid {w.pid}) died (exit code {w.proc.exitcode})"
-                pending.pop(w.index)
-                grace = grace or time.monotonic() + 10.0
-                if interrupt:
-                    for other in pending.values():
-                        try:
-                            os.kill(other.pid, PEER_LOST_SIGNAL)
-                        except OSError:
-                            pass
-        if on_wait is not None:
-            on_wait()
-    for idx, w in pending.items():
-        errors[idx] = f"worker {idx} did not answer {name!r} in time (no progress for {timeout_s:g} s)"
-    return results, errors, dead
