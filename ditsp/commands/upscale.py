@@ -101,7 +101,7 @@ def _fail(msg: str) -> int:
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..distributed.launcher import RankError
-    from ..engine import dispatch
+    from ..distributed.dispatch import dispatch
     from ..models.seedvr2.job.restore import format_report, plot_report, rank_upscale, summarize
 
     try:
@@ -115,6 +115,12 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         mem_line = request.check_memory(checked, opts)
     except (ValueError, MemoryError) as e:
         return _fail(str(e))
+    from ..distributed.torchrun import under_torchrun
+    from ..memory import check_local_cores
+
+    crowded = None if under_torchrun() else check_local_cores(args.sp, args.threads)
+    if crowded:
+        print(f"ditsp upscale: warning: {crowded}", file=sys.stderr)
     if not args.json:  # what the job will do, before it starts
         if req.weights.random:
             print("RANDOM WEIGHTS: seeded random weights (--random-weights), a smoke test, not a restoration")
@@ -205,7 +211,7 @@ def parity_vs_one_device(req, summary: dict, threads: int) -> dict:
 
     import torch
 
-    from ..engine import dispatch
+    from ..distributed.dispatch import dispatch
     from ..io.probe import open_media
     from ..models.seedvr2.job.restore import rank_upscale
 

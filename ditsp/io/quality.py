@@ -88,7 +88,8 @@ def read_frames(path: str) -> np.ndarray:
 
 def plot_compare(source: np.ndarray, restored: np.ndarray, reference: np.ndarray, path: str, q: dict,
                  columns: int = 4) -> None:
-    """Rows: the input (bicubic to the output size), the restored frames, the clean original."""
+    """Rows: the input (each pixel shown as a block at the output size), the restored frames, the bicubic upscale
+    of the input, the clean original; each labelled with its PSNR and SSIM."""
     import matplotlib  # local: a heavy optional package, loaded only when this runs
 
     matplotlib.use("Agg")
@@ -97,10 +98,12 @@ def plot_compare(source: np.ndarray, restored: np.ndarray, reference: np.ndarray
     t = restored.shape[0]
     idx = sorted({int(round(i * (t - 1) / max(1, columns - 1))) for i in range(columns)})
     up = bicubic(source[:t], restored.shape[1:3])
+    big = np.repeat(np.repeat(source[:t], restored.shape[1] // source.shape[1], 1), restored.shape[2] // source.shape[2], 2)
     r, b = q["restored"]["overall"], q["bicubic"]["overall"]
-    rows = [(f"input (bicubic) {b['psnr']:.2f} dB", up), (f"restored {r['psnr']:.2f} dB", restored),
-            ("clean original", reference[:t])]
-    fig, axes = plt.subplots(3, len(idx), figsize=(2.2 * len(idx), 6.2), squeeze=False)
+    rows = [(f"input {source.shape[2]}x{source.shape[1]}", big),
+            (f"restored {r['psnr']:.2f} dB / {r['ssim']:.3f}", restored),
+            (f"bicubic {b['psnr']:.2f} dB / {b['ssim']:.3f}", up), ("clean original", reference[:t])]
+    fig, axes = plt.subplots(len(rows), len(idx), figsize=(2.2 * len(idx), 2.1 * len(rows)), squeeze=False)
     for i, (title, frames) in enumerate(rows):
         for j, k in enumerate(idx):
             ax = axes[i][j]

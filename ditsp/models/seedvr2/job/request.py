@@ -37,7 +37,7 @@ from .sizing import parse_resolution
 from ....weights import FormatError
 from .budget import GiB, available_bytes, suggestions
 from ..vae.memory import backend_of, counts_winograd
-from ....memory import check_local_ranks
+from ....memory import check_local_cores, check_local_ranks
 from ....distributed.torchrun import under_torchrun
 from .weight_memory import dit_weights
 from . import plan as restoration_plan
@@ -240,6 +240,7 @@ def check(o: Options) -> Checked:
         raise ValueError(f"--sp must be >= 1, got {o.sp}")
     if not under_torchrun():  # local ranks, spawned here: bounded even with --force
         check_local_ranks(o.sp)
+        check_local_cores(o.sp, o.threads)
     if o.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {o.threads}")
     if not o.timeout > 0:
