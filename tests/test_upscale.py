@@ -170,10 +170,10 @@ def test_height_sharded_vae_hands_slabs_to_the_dit(clusters, clip, tmp_path, sp)
 
 def test_one_reader_loads_the_same_weights_as_every_rank(clusters, clip, tmp_path):
     """`--weights-read one-reader` at SP 2: rank 0 reads the checkpoints and sends them; the same frames."""
-    from pathlib import Path
+    from ditsp.models.seedvr2.presets import MODELS
 
-    tiny = Path(__file__).resolve().parents[1] / "weights" / "tiny"
-    files = dict(dit=str(tiny / "dit.safetensors"), vae=str(tiny / "vae.safetensors"), random_weights=False)
+    dit, vae = MODELS["tiny"].shipped_files  # the small restorer's files, as a user would name them
+    files = dict(model="tiny", dit=str(dit), vae=str(vae), random_weights=False)
     out = {read: run_on(clusters, 2, request(clip, tmp_path / f"{read}.mp4", weights_read=read, **files))
            for read in ("every-rank", "one-reader")}
     assert out["every-rank"]["sha256"] == out["one-reader"]["sha256"]

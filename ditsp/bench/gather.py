@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from ..argtypes import positive_int
+from ..models.seedvr2.presets import TRAINED
 from . import declare
 
 SIZES = (1 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
@@ -26,7 +27,8 @@ def _arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=positive_int, default=50, help="all-gathers per payload size and route")
     p.add_argument("--rounds", type=positive_int, default=3, help="VAE windows per route, interleaved")
     p.add_argument("--clip", default="17,256,256", help="the VAE window's frames,height,width")
-    p.add_argument("--weights", default="weights/tiny", help="folder with dit.safetensors and vae.safetensors")
+    p.add_argument("--weights", default=str(TRAINED / "tiny"),
+                   help="folder with dit.safetensors and vae.safetensors (default: the small restorer's, shipped)")
     p.add_argument("--out", default="benchmarks/results")
     return p
 

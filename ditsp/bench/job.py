@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from ..argtypes import positive_int, positive_int_list
+from ..models.seedvr2.presets import TRAINED
 from . import declare
 
 STAGES = ("read", "vae_encode", "dit", "vae_decode", "color_fix", "write")
@@ -183,7 +184,8 @@ def _arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--size", default="256x256", help="output WxH (the input is half of it, degraded)")
     p.add_argument("--window-frames", type=positive_int, default=17)
     p.add_argument("--overlap", type=int, default=4)
-    p.add_argument("--weights", default="weights/tiny", help="folder with dit.safetensors and vae.safetensors")
+    p.add_argument("--weights", default=str(TRAINED / "tiny"),
+                   help="folder with dit.safetensors and vae.safetensors (default: the small restorer's, shipped)")
     p.add_argument("--deterministic", action="store_true", help="fixed-shape kernel calls: every degree writes the same bytes")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--threads", type=positive_int, default=1, help="threads per rank")

@@ -251,7 +251,7 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
         for win in plan.steps:
             of = f"window {win.index + 1}/{len(plan.steps)}"
             u8 = st.run("read", win.index, frames.take, win.start, win.stop)
-            x = _transform(geo, u8)  # (3, T, h, w) fp32 in [-1, 1]: also the colour-fix reference
+            x = _transform(geo, u8).to(device)  # (3, T, h, w) fp32 in [-1, 1]: also the colour-fix reference
             n = x.shape[1]
             xp = pad_frames(x, vae.cfg.temporal_factor, dim=1)[None]  # (1, 3, kn+1, h, w)
             if tuple(xp.shape[2:]) != (win.padded, *geo.out_hw):
@@ -274,7 +274,7 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
             ready = blender.push(win.index, fixed.float())
             advance(f"{of} colour fixed")
             if ready.shape[0]:
-                out = to_uint8(ready)
+                out = to_uint8(ready).cpu()
                 digest.update(out.numpy().tobytes())
                 steps += _frame_steps(last_frame, out)
                 last_frame = out[-1]
@@ -282,7 +282,7 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
                     k = min(req.sample_frames - len(samples_out), out.shape[0])
                     idx = torch.linspace(0, out.shape[0] - 1, k).round().long()
                     samples_out += [out[i] for i in idx]
-                    src = to_uint8(x.permute(1, 0, 2, 3))
+                    src = to_uint8(x.permute(1, 0, 2, 3)).cpu()
                     samples_in += [src[written - win.start + i] for i in idx]
                 if is_image:
                     st.run("write", win.index, lambda: write_image(req.output, out[0], overwrite=req.overwrite))
@@ -383,13 +383,13 @@ def _whole_window(ctx, models, pvae, runtimes, plan, deterministic, st, win, xp,
 
     def encode():
         enc = pvae.encode(xp, win.vae_mode)
-        eps = make_noise(enc.posterior.mean.shape, g, dtype=torch.float32)
+        eps = make_noise(enc.posterior.mean.shape, g, dtype=torch.float32).to(enc.posterior.mean.device)
         z = vae.to_latent(enc.posterior.sample(eps.to(enc.posterior.mean.dtype)))
         return vae.channels_last(z)[0]  # (t, h', w', c)
 
     latent = st.run("vae_encode", win.index, encode)
     advance("encoded")
-    noise = make_noise(latent.shape, g, dtype=torch.float32)
+    noise = make_noise(latent.shape, g, dtype=torch.float32).to(latent.device)  # drawn on the CPU: any device
     vid = dit_input(noise, latent.float())
     rt = _runtime(runtimes, pvae.comm, dit, _grid(dit, win, vid.shape), plan.planner, deterministic)
     v = st.run("dit", win.index, lambda: dit(vid.to(dit.dtype), models.text, dit_timestep(ctx.device), runtime=rt))
@@ -408,14 +408,14 @@ def _sharded_window(ctx, models, pvae, runtimes, plan, deterministic, st, win, x
     mode = win.vae_mode
 
     def encode():
-        eps = make_noise((1, vae.cfg.latent_channels, t, h, w), g, dtype=torch.float32)  # canonical draw
+        eps = make_noise((1, vae.cfg.latent_channels, t, h, w), g, dtype=torch.float32).to(xp.device)  # canonical
         latent, enc = pvae.encode_latent(xp, mode, noise=eps.to(vae.dtype), keep_sharded=True)
         return vae.channels_last(latent)[0], enc.layout  # (t, rows, w, c)
 
     latent, layout = st.run("vae_encode", win.index, encode)
     advance("encoded")
     _, _, h0, h1 = layout.rank_rows(ctx.rank)
-    noise = make_noise((t, h, w, vae.cfg.latent_channels), g, dtype=torch.float32)[:, h0:h1]
+    noise = make_noise((t, h, w, vae.cfg.latent_channels), g, dtype=torch.float32)[:, h0:h1].to(latent.device)
     slabs = RowOwnership.slabs((t, h, w), [layout.rank_rows(r) for r in range(ctx.world_size)], "VAE slabs")
     rows = dit_input(noise, latent.float()).reshape(-1, noise.shape[-1] * 2 + 1)
     rt = _runtime(runtimes, pvae.comm, dit, _grid(dit, win, (t, h, w)), plan.planner, deterministic)
