@@ -46,10 +46,13 @@ def add_deterministic_arg(p: argparse.ArgumentParser, default: bool = DEFAULT_DE
 
 
 def add_compile_arg(p: argparse.ArgumentParser) -> None:
-    """``--compile``: torch.compile of the DiT blocks and the VAE (ditsp.models.seedvr2.compiled)."""
+    """``--compile``: torch.compile of the DiT blocks and the VAE (ditsp.models.seedvr2.compiled). Its help names
+    ``--no-deterministic`` only where the command has that flag (add it first)."""
+    policy = ("needs --no-deterministic; " if "--no-deterministic" in p._option_string_actions
+              else "runs the plain kernel calls (compiled kernels are not fixed-shape calls); ")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile (inductor) the DiT blocks and the VAE's GroupNorm+SiLU; the first forward of "
-                        "each shape family compiles; needs --no-deterministic; the report says whether it ran compiled")
+                        f"each shape family compiles; {policy}the report says whether it ran compiled")
 
 
 def add_request_args(p: argparse.ArgumentParser) -> None:
