@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from ditsp.bench.attention import run_bench
 from ditsp.bench.attention_baselines import BASELINES, TORCH_CP_NO_BACKWARD, baseline_fits, peer_missing
 from ditsp.cli import build_parser
-from ditsp.engine import DTYPES
+from ditsp.dtypes import DTYPES
 
 
 def _cfg(strategies, dtype="fp32", backward=False, kv_heads=2):

@@ -32,8 +32,8 @@ def no_spawn(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("work started before the arguments were checked")
 
-    monkeypatch.setattr("ditsp.engine.run", boom)
-    monkeypatch.setattr("ditsp.engine.dispatch", boom)
+    monkeypatch.setattr("ditsp.models.seedvr2.job.forward.run", boom)
+    monkeypatch.setattr("ditsp.distributed.dispatch.dispatch", boom)
 
 
 # ---------------------------------------------------------------- item 4: resources before ranks
@@ -75,7 +75,7 @@ def test_cores_oversubscription(capsys, monkeypatch, no_spawn):
 def test_cores_warning_and_force(capsys, monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     seen = {}
-    monkeypatch.setattr("ditsp.engine.run", lambda spec, **k: seen.setdefault("spec", spec) and _fake_summary(spec))
+    monkeypatch.setattr("ditsp.models.seedvr2.job.forward.run", lambda spec, **k: seen.setdefault("spec", spec) and _fake_summary(spec))
     assert main([*RUN, "--sp", "2", "--max-memory", "100", "--json"]) == 0
     assert "warning: 2 ranks x 1 thread on 1 CPU core" in capsys.readouterr().err
     assert main([*RUN, "--sp", "9", "--force", "--json"]) == 0  # past 8 per core: no estimate, no core limit
@@ -206,7 +206,7 @@ def test_a_failed_rank_of_run_prints_the_error_line_first(capsys, monkeypatch):
     def killed(spec, **kw):
         raise RankError(report)
 
-    monkeypatch.setattr("ditsp.engine.run", killed)
+    monkeypatch.setattr("ditsp.models.seedvr2.job.forward.run", killed)
     with pytest.raises(SystemExit) as e:
         main([*RUN, "--sp", "2", "--max-memory", "100"])
     lines = capsys.readouterr().err.strip().splitlines()

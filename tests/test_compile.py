@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ditsp.cli import main
-from ditsp.engine import RunSpec, run
+from ditsp.models.seedvr2.job.forward import RunSpec, run
 from ditsp.fixed_shape import FAST, use
 from ditsp.models.seedvr2 import compiled
 from ditsp.models.seedvr2.nadit.model import build_model, random_inputs

@@ -26,7 +26,7 @@ def test_the_default_is_one_value_read_everywhere():
     from ditsp.commands.run import add_parser as run_parser
     from ditsp.commands.serve import add_parser as serve_parser
     from ditsp.commands.upscale import add_parser as upscale_parser
-    from ditsp.engine import RunSpec
+    from ditsp.models.seedvr2.job.forward import RunSpec
     from ditsp.models.seedvr2.job.request import Options, UpscaleRequest
     from ditsp.serve.app import Settings
 

@@ -41,7 +41,7 @@ def no_work(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("work started before the arguments were checked")
 
-    monkeypatch.setattr("ditsp.engine.dispatch", boom)
+    monkeypatch.setattr("ditsp.distributed.dispatch.dispatch", boom)
 
 
 def argv(folder, out, *extra, embeds=None):

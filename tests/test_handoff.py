@@ -65,7 +65,7 @@ def test_refine_keeps_patch_order_and_counts():
 def dit_rows_rank(ctx, path):
     """The NaDiT fed this rank's latent slab (rows=...) returns exactly its slab of the full output."""
     from ditsp.config import ParallelConfig
-    from ditsp.engine import Engine, ModelSpec
+    from ditsp.models.seedvr2.job.forward import Engine, ModelSpec
     from ditsp.models.seedvr2.nadit.model import random_inputs
     from ditsp.models.seedvr2.parallelize import parallelize
 

@@ -15,7 +15,7 @@ LAYERS = (
     ("commands",),
     ("bench",),  # benchmarks run the server and the jobs
     ("serve", "train"),  # front doors' back ends: a persistent SP group, training under SP
-    ("engine", "argtypes", "fixed_shape_probe"),  # jobs, shared argument types, the doctor's probe of model kernels
+    ("argtypes", "fixed_shape_probe"),  # front-door helpers: shared argument types, the doctor's probe of model kernels
     ("models", "integrations"),
     ("sp", "attention"),
     ("windows", "weights", "io"),
@@ -174,3 +174,14 @@ def test_every_row_all_to_all_goes_through_the_transport():
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "all_to_all_single":
                 found.append(f"{path.relative_to(ROOT.parent)}:{n.lineno}")
     assert not found, "all-to-alls outside the transport:\n" + "\n".join(found)
+
+
+def test_torchrun_is_detected_in_one_place():
+    """Whether torchrun started this process is :func:`ditsp.distributed.torchrun.under_torchrun`'s answer
+    alone: no other module reads torchrun's RANK / WORLD_SIZE (the launcher's ``init_from_env`` checks the
+    variables it joins the job with)."""
+    allowed = {"ditsp.distributed.torchrun", "ditsp.distributed.launcher"}
+    found = [f"{path.relative_to(ROOT.parent)}:{n.lineno}" for mod, path in MODULES.items() if mod not in allowed
+             for n in ast.walk(ast.parse(path.read_text()))
+             if isinstance(n, ast.Constant) and n.value in ("RANK", "WORLD_SIZE")]
+    assert not found, "torchrun detected outside under_torchrun() (call it instead):\n" + "\n".join(found)

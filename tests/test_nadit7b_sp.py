@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ditsp.config import ParallelConfig
-from ditsp.engine import RunSpec, build_for, rank_forward
+from ditsp.models.seedvr2.job.forward import RunSpec, build_for, rank_forward
 from ditsp.models.seedvr2.nadit.config import NaDiTConfig
 from ditsp.models.seedvr2.nadit.model import NaDiT, init_random_, random_inputs
 from ditsp.models.seedvr2.parallelize import parallelize

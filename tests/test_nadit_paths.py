@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ditsp.attention.common import even_splits
-from ditsp.engine import RunSpec, build_for, rank_forward
+from ditsp.models.seedvr2.job.forward import RunSpec, build_for, rank_forward
 
 pytestmark = pytest.mark.timeout(180)
 

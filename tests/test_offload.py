@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditsp.engine import RunSpec, dispatch, rank_forward
+from ditsp.distributed.dispatch import dispatch
+from ditsp.models.seedvr2.job.forward import RunSpec, rank_forward
 from ditsp.models.seedvr2.nadit import TINY, NaDiT
 from ditsp.models.seedvr2.nadit.model import build_model, init_random_, random_inputs
 from ditsp.weights.convert import save_gguf

@@ -9,7 +9,7 @@ import torch
 
 from ditsp.distributed import transport as tp
 from ditsp.distributed.comm import Comm
-from ditsp.engine import RunSpec, build_for
+from ditsp.models.seedvr2.job.forward import RunSpec, build_for
 from ditsp.fixed_shape import DETERMINISTIC
 from ditsp.sp.window_aligned import WindowRuntime
 

@@ -7,7 +7,7 @@ import torch
 
 from ditsp.config import ParallelConfig
 from ditsp.distributed.agree import DisagreementError
-from ditsp.engine import RunSpec, build_for
+from ditsp.models.seedvr2.job.forward import RunSpec, build_for
 from ditsp.models.seedvr2.nadit.config import TINY, get_config
 from ditsp.models.seedvr2.parallelize import parallelize
 from ditsp.sp.choice import CANDIDATES, ENV_LINK, ChosenRuntime, Link, choose, path_costs

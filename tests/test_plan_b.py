@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ditsp.config import ParallelConfig
-from ditsp.engine import Engine, RunSpec, build_for
+from ditsp.models.seedvr2.job.forward import Engine, RunSpec, build_for
 from ditsp.models.seedvr2.nadit.config import TINY
 from ditsp.models.seedvr2.parallelize import parallelize
 from ditsp.sp.halo_slab import HaloSlabRuntime, plan_halo

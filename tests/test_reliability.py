@@ -102,7 +102,7 @@ def test_stale_temporary_files_of_our_pattern_are_swept(tmp_path):
 
 def test_upscale_sweeps_what_a_killed_rank_left(clip, tmp_path, capsys, monkeypatch):
     """A rank that dies (SIGKILL, a hang, a timeout) cannot remove its temporary file; the launcher does."""
-    import ditsp.engine
+    import ditsp.distributed.dispatch
 
     out = tmp_path / "o.mp4"
     left = tmp_path / f".o.tmp-{dead_pid()}-deadbeef.mp4"
@@ -111,7 +111,7 @@ def test_upscale_sweeps_what_a_killed_rank_left(clip, tmp_path, capsys, monkeypa
         left.write_bytes(b"half a file")
         raise RankError("rank_upscale failed on 2 ranks: rank 0: died of SIGKILL (exit code -9)")
 
-    monkeypatch.setattr(ditsp.engine, "dispatch", dies)
+    monkeypatch.setattr(ditsp.distributed.dispatch, "dispatch", dies)
     err = _err(capsys, ["upscale", "--model", "tiny-8x", "--random-weights", clip, "-o", str(out), "--resolution", "32x32", "--sp", "2", "--no-progress"])
     assert "SIGKILL" in err
     assert sorted(os.listdir(tmp_path)) == []
@@ -299,7 +299,7 @@ def test_the_encoder_is_pinned_and_files_reproduce(tmp_path):
 
 
 def test_a_frame_folder_with_one_odd_frame_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
-    import ditsp.engine
+    import ditsp.distributed.dispatch
 
     folder = tmp_path / "frames"
     folder.mkdir()
@@ -310,7 +310,7 @@ def test_a_frame_folder_with_one_odd_frame_is_refused_before_any_work(tmp_path, 
     def boom(*a, **k):
         raise AssertionError("ranks started before the input was checked")
 
-    monkeypatch.setattr(ditsp.engine, "dispatch", boom)
+    monkeypatch.setattr(ditsp.distributed.dispatch, "dispatch", boom)
     err = _err(capsys, ["upscale", "--model", "tiny-8x", "--random-weights", str(folder), "-o", str(tmp_path / "o.mp4"), "--resolution", "32x32",
                         "--window-frames", "5", "--overlap", "1", "--no-progress"])
     assert "f07.png: is 32x48 but the first frame is 32x32" in err, err  # W x H

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from ditsp.config import ParallelConfig
-from ditsp.engine import Engine, RunSpec, build_for
+from ditsp.models.seedvr2.job.forward import Engine, RunSpec, build_for
 from ditsp.models.seedvr2.nadit import NaDiT, load_checkpoint
 from ditsp.models.seedvr2.nadit.config import TINY, TINY_7B
 from ditsp.attention.window import segment_attention

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ditsp.distributed.launcher import LocalCluster, RankContext
-from ditsp.engine import RunSpec, rank_forward
+from ditsp.models.seedvr2.job.forward import RunSpec, rank_forward
 from ditsp.models.seedvr2.nadit.config import get_config
 from ditsp.models.seedvr2.job.plan_report import memory_estimate, plan_request
 

@@ -61,7 +61,7 @@ def analytical() -> list[dict]:
 
 
 def measured(model: str, layers: int, grid, repeats: int, link_path: str) -> dict:
-    from ..engine import RunSpec, run
+    from ..models.seedvr2.job.forward import RunSpec, run
     from ..models.seedvr2.nadit.config import get_config
     from ..sp.choice import Link, choose
 

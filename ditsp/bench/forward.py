@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from ..argtypes import nonneg_int, positive_int, positive_int_list
 from ..distributed.launcher import LocalCluster
-from ..engine import RunSpec, rank_forward
+from ..models.seedvr2.job.forward import RunSpec, rank_forward
 from ..models.seedvr2.nadit.config import PRESETS
 from ..windows.schedule import plan_schedule
 

@@ -62,7 +62,7 @@ def rank_link(ctx, repeats: int, big_bytes: int = 16 << 20) -> dict:
 
 
 def main(args, parser=None) -> int:
-    from ..engine import dispatch
+    from ..distributed.dispatch import dispatch
 
     res = dispatch(rank_link, args.repeats, sp=args.sp)
     link = {"latency": max(r["latency"] for r in res), "bandwidth": min(r["bandwidth"] for r in res),

@@ -33,7 +33,7 @@ def _rank(ctx, model_name: str, grid, layers: int, planner: str, repeats: int, c
 
     from ..distributed import transport as tp
     from ..distributed.comm import Comm
-    from ..engine import RunSpec, build_for
+    from ..models.seedvr2.job.forward import RunSpec, build_for
     from ..sp.window_aligned import WindowRuntime
 
     model, vid, txt = build_for(RunSpec(model_name, tuple(grid), ctx.world_size, layers=layers))

@@ -123,7 +123,7 @@ def rank_speed(ctx, case: str, args: dict) -> dict:
 
 
 def _run(case: str, sp: int, args: dict) -> dict:
-    from ..engine import dispatch
+    from ..distributed.dispatch import dispatch
 
     results = dispatch(rank_speed, case, args, sp=sp, threads=1, timeout_s=3600)
     # per mode, the slowest rank's best (wall, cpu)

@@ -164,7 +164,7 @@ def rank_bench(ctx, cfg: dict) -> list[dict]:
 
 
 def run_bench(cfg: dict, cluster=None) -> list[dict]:
-    from ..engine import dispatch
+    from ..distributed.dispatch import dispatch
 
     res = dispatch(rank_bench, cfg, sp=cfg["sp"], threads=cfg["threads"], cluster=cluster)
     merged = []

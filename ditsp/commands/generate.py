@@ -83,7 +83,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from ..integrations.diffusers.generate import GenerateRequest, latent_shape, load_embeds, pipeline_index
     except ImportError as e:  # diffusers missing
         parser.error(f"ditsp generate needs diffusers (pip install 'ditsp[diffusers]'): {e}")
-    from ..engine import dispatch
+    from ..distributed.dispatch import dispatch
     from ..integrations.diffusers import ParallelizeError
 
     req = GenerateRequest(folder=args.folder, embeds=args.embeds, output=args.output, height=h, width=w,

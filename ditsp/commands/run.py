@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 
 from ..argtypes import timeout_seconds
-from ..engine import DTYPES
+from ..dtypes import DTYPES
 from ..memory import RANK_BASE_BYTES, RANKS_PER_CORE_LIMIT
 from ..weights.fp8 import WEIGHTS_DTYPES
 from ..models.seedvr2.nadit.config import PRESETS
@@ -112,9 +112,10 @@ def estimate_rank_memory(cfg, dtype: str, grid, sp: int, checkpoint: str | None,
 def check_resources(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg, grid, plan_bytes: int) -> None:
     """Refuse (one line) a run whose modelled memory per rank exceeds what one rank can use, or with
     far more local ranks than CPU cores; warn (one line) when threads oversubscribe the cores."""
+    from ..distributed.torchrun import under_torchrun
     from ..memory import available_bytes
 
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    torchrun = under_torchrun()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", args.sp)) if torchrun else args.sp
     spawned = local > 1 and not torchrun
     est = estimate_rank_memory(cfg, args.dtype, grid, args.sp, args.checkpoint, plan_bytes, spawned, args.check,
@@ -157,7 +158,7 @@ def _one_line(message: str) -> str:
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..distributed.launcher import RankError
-    from ..engine import RunSpec, run
+    from ..models.seedvr2.job.forward import RunSpec, run
     from ..models.seedvr2.nadit.checkpoint import CheckpointError
     from ..models.seedvr2.nadit.config import get_config
     from ..windows.schedule import plan_limits

@@ -94,6 +94,7 @@ def check_local(parser, n: int) -> None:
 
 def run(args, parser) -> int:
     from ..distributed.launcher import RankError, init_from_env, launch
+    from ..distributed.torchrun import under_torchrun
     from ..errors import one_line
     from ..train.loop import check, rank_check, rank_train
 
@@ -101,7 +102,7 @@ def run(args, parser) -> int:
         cfg = config_of(args)
     except ValueError as e:
         parser.error(str(e))
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    torchrun = under_torchrun()
     if not torchrun:
         check_local(parser, cfg.sp)
     fn = rank_check if args.check else rank_train

@@ -2,7 +2,7 @@
 
 A rank keeps one model at a time (a model is most of its memory): asking for
 another key drops the one it holds before building the next. Both the
-engine's DiT (:class:`ditsp.engine.Engine`) and a restoration's DiT + VAE +
+`ditsp run` job's DiT (:class:`ditsp.models.seedvr2.job.forward.Engine`) and a restoration's DiT + VAE +
 text (:func:`ditsp.models.seedvr2.weights.load`) live here, under keys that
 say which they are.
 """

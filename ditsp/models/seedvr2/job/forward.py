@@ -1,42 +1,34 @@
-"""The rank-side engine: a model built once per rank, many requests, one dispatch for every launch.
+"""The `ditsp run` job: one NaDiT forward per rank, with its time, peak memory and collectives.
 
 - :class:`Engine` holds one rank's model (built on first use and cached in the
   rank's process by :class:`ModelSpec`), its SP runtimes (one per request
   shape, path and planner) and runs forwards through them. A local cluster
   or a torchrun job that runs many requests builds the model once.
-- :func:`dispatch` runs a rank function on the ranks a request asks for:
-  inside a torchrun job (this process is one rank), in this process for one
-  rank, or on a :class:`~ditsp.distributed.launcher.LocalCluster` of spawned ranks.
-- :func:`rank_forward` / :func:`run` are the `ditsp run` job: one NaDiT
-  forward per rank with its time, peak memory and collectives, and optionally
-  the parity against one device.
+- :func:`rank_forward` / :func:`run` are the job: one forward per rank (run on
+  the ranks by :func:`ditsp.distributed.dispatch.dispatch`), summarised, and
+  optionally the parity against one device.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 
-from .config import ParallelConfig
-from .distributed.torchrun import under_torchrun
-from .distributed.launcher import LocalCluster, RankContext, init_from_env
-from .fixed_shape import DEFAULT_DETERMINISTIC, shapes_for
-from .memory import PeakMemory
-from .models import resident
-from .models.seedvr2.compiled import compile_dit, describe, stance
-
-from .dtypes import DTYPES  # noqa: F401 - the one table; re-exported for old imports
-from .models.seedvr2.nadit.model import build_model
-from .models.seedvr2.nadit.model import random_inputs
-from .windows.ownership import RowOwnership
-from .models.seedvr2.parallelize import parallelize
-from .weights.offload import offload_blocks
-from .memory import exact_cpu_peaks
+from ....config import ParallelConfig
+from ....distributed.dispatch import dispatch
+from ....distributed.launcher import LocalCluster, RankContext
+from ....dtypes import DTYPES
+from ....fixed_shape import DEFAULT_DETERMINISTIC, shapes_for
+from ....memory import PeakMemory, exact_cpu_peaks
+from ....weights.offload import offload_blocks
+from ....windows.ownership import RowOwnership
+from ... import resident
+from ..compiled import compile_dit, describe, stance
+from ..nadit.model import build_model, random_inputs
+from ..parallelize import parallelize
 
 
 @dataclass(frozen=True)
@@ -131,30 +123,6 @@ class Engine:
             pc = ParallelConfig.window(sp, window_planner=planner, window_path=path, deterministic=deterministic)
             self._runtimes[key] = parallelize(self.model.cfg, pc, grid, group)
         return self._runtimes[key]
-
-
-def dispatch(fn: Callable, *args, sp: int, threads: int = 1, timeout_s: float = 3600.0,
-             cluster: LocalCluster | None = None, fork: bool = False) -> list:
-    """Run ``fn(ctx, *args)`` on ``sp`` ranks; returns every rank's result (rank order).
-
-    Inside a torchrun job this process is one rank and returns its own result
-    only; ``sp == 1`` runs in this process; otherwise on ``cluster`` or on a
-    LocalCluster started (and closed) for this call, its ranks forked from this
-    process where ``fork`` asks and it is safe (``launcher.fork_is_safe``): a
-    command's fresh process, whose imports the ranks then need not repeat.
-    """
-    if under_torchrun():
-        ctx = init_from_env()
-        if ctx.world_size != sp:
-            raise ValueError(f"--sp {sp} but torchrun started {ctx.world_size} ranks")
-        return [fn(ctx, *args)]
-    if sp == 1:
-        torch.set_num_threads(threads)
-        return [fn(RankContext(0, 1, None, torch.device("cpu")), *args)]
-    if cluster is not None:
-        return cluster.run(fn, *args, timeout_s=timeout_s)
-    with LocalCluster(sp, timeout_s=timeout_s, threads=threads, fork=fork) as own:
-        return own.run(fn, *args, timeout_s=timeout_s)
 
 
 def input_rows(spec: RunSpec, patch) -> "RowOwnership":
