@@ -234,6 +234,7 @@ def test_bad_requests(server, clips, tmp_path):
         assert r.status_code in (409, 200)
 
 
+@pytest.mark.timeout(600)  # two server starts and four jobs; each step has its own bound below
 def test_restart_mid_queue_loses_no_job(clips, tmp_path):
     """A server killed (SIGKILL) with a job running and more queued: after a restart every job completes."""
     data = tmp_path / "data"
