@@ -252,7 +252,7 @@ class Trainer:
             self.restore()
         bar = None
         if cfg.progress and self.rank0:
-            # local: read when the job runs (serve/workers.py swaps in its progress reporter first)
+            # local: only a run that draws a bar loads it
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {cfg.objective}", file=sys.stderr,

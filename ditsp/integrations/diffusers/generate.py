@@ -190,7 +190,7 @@ def to_uint8(video: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def rank_generate(ctx, req: GenerateRequest) -> dict:
     """One rank's share of a generation; rank 0 decodes, writes and returns the report."""
-    from tqdm import tqdm  # local: read when the job runs (serve/workers.py swaps in its progress reporter first)
+    from tqdm import tqdm  # local: only a run that draws a bar loads it
 
     index = pipeline_index(req.folder)
     cond, neg = load_embeds(req.embeds, req.guidance)
