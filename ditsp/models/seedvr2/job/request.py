@@ -44,7 +44,7 @@ from . import plan as restoration_plan
 
 __all__ = ["COLOR_FIXES", "DTYPE_NAMES", "HTTP_OPTIONS", "MODELS", "OUTPUT_FORMATS", "PLANNERS", "VAE_MODES",
            "WEIGHTS_DTYPES", "WEIGHTS_READS", "Checked", "Options", "UpscaleRequest", "check", "check_memory", "default",
-           "from_args", "from_http", "parse_http_options", "prepare"]
+           "frames_info", "from_args", "from_http", "parse_http_options", "prepare"]
 
 if TYPE_CHECKING:
     from ..weights import WeightsSpec
@@ -79,6 +79,10 @@ class UpscaleRequest:
     sample_frames: int = 0  # keep this many (input, output) frame pairs for a picture
     handoff: bool = True  # height-sharded VAE: slabs straight to the DiT's windows (False: gather, then scatter)
     compile: bool = False  # torch.compile of the DiT blocks and the VAE (compiled.py); needs deterministic=False
+    # The input in memory instead of a file (a host that holds frames, e.g. the ComfyUI nodes): uint8
+    # (T, 3, H, W), the same on every rank; ``input`` is then only a label, nothing is written, and rank 0
+    # returns the restored frames in its report (``output_frames``: uint8 (T, H, W, 3)).
+    frames: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def sp(self) -> int:
@@ -230,12 +234,11 @@ def budget_bytes(max_memory_gib: float | None, sp: int) -> int:
     return available_bytes(1 if under_torchrun() else sp)
 
 
-def check(o: Options) -> Checked:
-    """Everything that can be checked before ranks start, and the plan; ValueError with a one-line message."""
-    # the input's probe opens PyAV; kept local so a front door that only lists values does not load codecs
-    from ....io.media import MediaError
-    from ....io.probe import count_frames, probe
+def check(o: Options, in_memory: torch.Tensor | None = None) -> Checked:
+    """Everything that can be checked before ranks start, and the plan; ValueError with a one-line message.
 
+    ``in_memory``: the input as uint8 (T, 3, H, W) frames instead of the file ``o.input`` (a host that
+    holds frames); the request then carries them and writes nothing (:attr:`UpscaleRequest.frames`)."""
     if o.sp < 1:
         raise ValueError(f"--sp must be >= 1, got {o.sp}")
     if not under_torchrun():  # local ranks, spawned here: bounded even with --force
@@ -278,6 +281,54 @@ def check(o: Options) -> Checked:
     for what, path in (("DiT", weights.dit), ("VAE", weights.vae)):
         if path and not os.path.isfile(path):  # the files shipped with the package (a broken install)
             raise ValueError(f"the model {o.model}'s {what} weights {path} are missing: reinstall ditsp")
+    if in_memory is not None:  # frames a host holds: no file to probe, none to write
+        info = frames_info(o.input, in_memory)
+        frames = info.frames
+    else:
+        info, frames = _check_files(o)
+    area, size = _output_size(o, info)
+    try:  # the DiT's weights as the rank will keep them (a checkpoint's header, or the format asked for)
+        kept = dit_weights(o.model, dtype, checkpoint=weights.dit, weights_dtype=weights_dtype)
+    except FormatError as e:
+        raise ValueError(f"--dit {e}") from None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    plan = restoration_plan.build(
+        model=o.model, dtype=dtype, in_width=info.width, in_height=info.height, frames=frames, area=area, size=size,
+        window_frames=o.window_frames, overlap=o.overlap, seed=o.seed, sp=o.sp, vae_mode=o.vae_mode,
+        vae_chunk=o.vae_chunk, planner=o.planner, deterministic=o.deterministic,
+        budget=budget_bytes(o.max_memory, o.sp), weights=kept,
+        winograd_filters=counts_winograd(device, o.deterministic), vae_backend=backend_of(device, o.deterministic))
+    req = UpscaleRequest(
+        input=o.input, output=o.output, plan=plan, weights=weights, color_fix=o.color_fix, crf=o.crf, fps=o.fps,
+        overwrite=o.overwrite, progress=o.progress, sample_frames=o.sample_frames, compile=o.compile,
+        frames=in_memory,
+    )
+    return Checked(req, info)
+
+
+def frames_info(label: str, frames: torch.Tensor):
+    """What a restoration needs to know of frames held in memory (uint8 (T, 3, H, W)); ValueError (one
+    line) for anything else."""
+    from fractions import Fraction
+
+    from ....io.media import VideoInfo
+
+    if not isinstance(frames, torch.Tensor) or frames.dtype != torch.uint8 or frames.dim() != 4 \
+            or frames.shape[1] != 3:
+        what = f"{frames.dtype} {tuple(frames.shape)}" if isinstance(frames, torch.Tensor) else type(frames).__name__
+        raise ValueError(f"{label}: frames in memory must be uint8 (T, 3, H, W), got {what}")
+    t, _, h, w = frames.shape
+    if t < 1 or h < 1 or w < 1:
+        raise ValueError(f"{label}: has no frames" if t < 1 else f"{label}: frames of {w}x{h} pixels")
+    return VideoInfo(Path(label), w, h, 0.0, Fraction(0), t, False, "frames", None, "video")
+
+
+def _check_files(o: Options):
+    """The input file opens and has frames, and the output can be written: (info, frames)."""
+    # the input's probe opens PyAV; kept local so a front door that only lists values does not load codecs
+    from ....io.media import MediaError
+    from ....io.probe import count_frames, probe
+
     try:
         info = probe(o.input)
         frames = info.frames if info.frames is not None else count_frames(o.input)
@@ -299,23 +350,7 @@ def check(o: Options) -> Checked:
         raise ValueError(f"{o.output}: folder {folder} is not writable")
     if os.path.abspath(o.output) == os.path.abspath(o.input):
         raise ValueError("the output would overwrite the input")
-    area, size = _output_size(o, info)
-    try:  # the DiT's weights as the rank will keep them (a checkpoint's header, or the format asked for)
-        kept = dit_weights(o.model, dtype, checkpoint=weights.dit, weights_dtype=weights_dtype)
-    except FormatError as e:
-        raise ValueError(f"--dit {e}") from None
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    plan = restoration_plan.build(
-        model=o.model, dtype=dtype, in_width=info.width, in_height=info.height, frames=frames, area=area, size=size,
-        window_frames=o.window_frames, overlap=o.overlap, seed=o.seed, sp=o.sp, vae_mode=o.vae_mode,
-        vae_chunk=o.vae_chunk, planner=o.planner, deterministic=o.deterministic,
-        budget=budget_bytes(o.max_memory, o.sp), weights=kept,
-        winograd_filters=counts_winograd(device, o.deterministic), vae_backend=backend_of(device, o.deterministic))
-    req = UpscaleRequest(
-        input=o.input, output=o.output, plan=plan, weights=weights, color_fix=o.color_fix, crf=o.crf, fps=o.fps,
-        overwrite=o.overwrite, progress=o.progress, sample_frames=o.sample_frames, compile=o.compile,
-    )
-    return Checked(req, info)
+    return info, frames
 
 
 def check_memory(c: Checked, o: Options) -> str:
@@ -333,8 +368,8 @@ def check_memory(c: Checked, o: Options) -> str:
     return line
 
 
-def prepare(o: Options) -> UpscaleRequest:
+def prepare(o: Options, in_memory: torch.Tensor | None = None) -> UpscaleRequest:
     """The checked request of ``o`` with its plan, held to its memory budget (the Python API's one call)."""
-    c = check(o)
+    c = check(o, in_memory)
     check_memory(c, o)
     return c.req

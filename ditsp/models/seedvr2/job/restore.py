@@ -18,6 +18,11 @@ Every rank of the SP group runs :func:`rank_upscale` on the same request:
    and, on rank 0, write finished frames as they come (atomic: a temporary file
    renamed at the end; the input's audio is copied).
 
+A request whose input is held in memory (``req.frames``: a host such as the
+ComfyUI nodes) reads those frames in place of the file and writes nothing:
+rank 0 returns the restored frames in its report. The plan and every step
+between reading and writing are the same, so are the frames.
+
 Noise comes from CPU generators seeded per window, so every rank and every SP
 degree sees the same values. Memory is bounded by one window, not the clip.
 The kernel policy (``plan.deterministic``) is read once, here: the VAE's calls
@@ -33,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Callable
 
 import torch
@@ -63,7 +68,7 @@ from ..pipeline import (
     to_uint8,
     transform_frames,
 )
-from .request import UpscaleRequest  # noqa: F401 - the request lives in .request; re-exported
+from .request import UpscaleRequest, frames_info  # noqa: F401 - the request lives in .request; re-exported
 from ..vae.modes import SLAB_MODES
 from ..weights import load
 
@@ -208,7 +213,7 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
         compile_dit(models.dit)
         compile_vae(models.vae)
     vae = models.vae
-    info, chunks = open_media(req.input)
+    info, chunks = _source(req)
     geo, windows = plan.geometry, plan.windows
     frames_total = plan.frames
     if (info.width, info.height) != (geo.in_width, geo.in_height):
@@ -218,6 +223,7 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
     st = _Stages(device)
     blender = StreamingBlender(windows, out_dtype=torch.float32)
     writer = None
+    kept: list[torch.Tensor] | None = [] if req.frames is not None else None  # the in-memory output (rank 0)
     is_image = info.kind == "image"
     rank0 = ctx.rank == 0
     digest = hashlib.sha256()
@@ -242,7 +248,7 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
             progress(done, total, label)
 
     try:
-        if rank0 and not is_image:
+        if rank0 and not is_image and kept is None:
             fps = req.fps or info.rate or info.fps or DEFAULT_FPS
             times = _input_times(req, info, frames_total, media_notes)
             writer = WriteBehind(VideoWriter(req.output, fps, crf=req.crf, times=times,
@@ -284,7 +290,9 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
                     samples_out += [out[i] for i in idx]
                     src = to_uint8(x.permute(1, 0, 2, 3)).cpu()
                     samples_in += [src[written - win.start + i] for i in idx]
-                if is_image:
+                if kept is not None:
+                    kept.append(out)
+                elif is_image:
                     st.run("write", win.index, lambda: write_image(req.output, out[0], overwrite=req.overwrite))
                 else:
                     writer.write(out, tag=win.index)  # encoded behind the next window (its own thread)
@@ -329,12 +337,21 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
             "seams": seam_metric_from_steps(steps, windows.seam_transitions()) if len(windows) > 1 and steps else None,
             "samples": (torch.stack(samples_in), torch.stack(samples_out)) if samples_out else None,
         })
+        if kept is not None:
+            report["output_frames"] = torch.cat(kept)  # uint8 (T, H, W, 3), what a file would have been given
     return report
+
+
+def _source(req: UpscaleRequest):
+    """The input's info and its frames as a stream of chunks: the request's frames in memory, else the file."""
+    if req.frames is None:
+        return open_media(req.input)
+    return frames_info(req.input, req.frames), iter(req.frames.split(16))
 
 
 def _request_record(req: UpscaleRequest) -> dict:
     """The request as the report keeps it: its settings and the plan's choices, as plain values."""
-    d = {k: v for k, v in asdict(req).items() if k != "plan"}
+    d = {k: v for k, v in asdict(replace(req, frames=None)).items() if k not in ("plan", "frames")}
     p = req.plan
     d.update(sp=p.sp, deterministic=p.deterministic, planner=p.planner, vae_chunk=p.vae_chunk,
              window_frames=p.window_frames, overlap=p.windows.overlap, seed=p.steps[0].seed if p.steps else None,
