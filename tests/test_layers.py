@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "ditsp"
 # Top to bottom; a module may import its own layer's packages and anything below, never above.
 LAYERS = (
     ("cli",),
-    ("commands",),
+    ("commands", "comfyui"),  # front doors (the ComfyUI nodes run jobs on the server's persistent workers)
     ("bench",),  # benchmarks run the server and the jobs
     ("serve", "train"),  # front doors' back ends: a persistent SP group, training under SP
     ("argtypes", "fixed_shape_probe"),  # front-door helpers: shared argument types, the doctor's probe of model kernels
@@ -23,6 +23,9 @@ LAYERS = (
     ("config", "cpu", "dtypes", "errors", "fixed_shape", "memory", "row_blocks", "scoped_env"),
 )
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+# Sub-packages with a layer of their own, not their parent's: the ComfyUI nodes live with the integrations
+# (ditsp/integrations/comfyui) but are a front door.
+SUBPACKAGE_LAYERS = {"integrations.comfyui": "comfyui"}
 COLLECTIVES = {
     "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
     "broadcast", "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
@@ -73,7 +76,7 @@ def _graph() -> dict[str, set[tuple[str, int]]]:
 
 def _layer(mod: str) -> str:
     parts = mod.split(".")
-    return parts[1] if len(parts) > 1 else ""
+    return SUBPACKAGE_LAYERS.get(".".join(parts[1:3]), parts[1] if len(parts) > 1 else "")
 
 
 def test_every_top_level_package_has_a_layer():
