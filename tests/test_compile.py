@@ -12,6 +12,7 @@ from ditsp.fixed_shape import FAST, use
 from ditsp.models.seedvr2 import compiled
 from ditsp.models.seedvr2.nadit.model import build_model, random_inputs
 from ditsp.models.seedvr2.job.request import Options, check
+from ditsp.models.seedvr2.parallelize import single_runtime
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,7 +66,7 @@ def _tiny():
     model = build_model("tiny", num_layers=2)
     grid = (2, 8, 8)
     vid, txt = random_inputs(model.cfg, grid, seed=1)
-    rt = model.single_runtime(grid)
+    rt = single_runtime(model.cfg, grid)
     rt.kernel_shapes = FAST
     return model, rt, vid, txt
 

@@ -16,6 +16,7 @@ from ditsp.models.seedvr2.nadit.config import SEEDVR2_7B, TINY_7B
 from ditsp.models.seedvr2.nadit.model import build_model, random_inputs, unpatchify
 from ditsp.models.seedvr2.nadit.rope import MMRope3d
 from ditsp.models.seedvr2.nadit.rope_pixel import PixelRope3d, pixel_freqs, window_positions
+from ditsp.models.seedvr2.parallelize import single_runtime
 
 DATA = Path(__file__).parent / "data" / "nadit-7b-tiny"
 
@@ -114,12 +115,13 @@ def test_no_output_norm_or_modulation(reference):
 def test_last_block_modulates_its_text(reference):
     """The 7B's last block modulates the text entering its attention (the 3B leaves it raw)."""
     model, io = reference
-    base = model(io["vid_in"], io["txt_in"], io["timestep"])
+    one = single_runtime(model.cfg, model.grid_of(io["vid_in"].shape))
+    base = model(io["vid_in"], io["txt_in"], io["timestep"], runtime=one)
     ada = model.blocks[3].ada["txt"]
     old = ada.attn_shift.clone()
     try:
         ada.attn_shift += 0.1
-        moved = model(io["vid_in"], io["txt_in"], io["timestep"])
+        moved = model(io["vid_in"], io["txt_in"], io["timestep"], runtime=one)
     finally:
         ada.attn_shift.copy_(old)
     assert (moved - base).abs().max() > 1e-3 * base.abs().max()
@@ -132,12 +134,13 @@ def test_text_stream_has_its_own_weights(reference):
     sd = model.state_dict()
     for i in range(4):
         assert not torch.equal(sd[f"blocks.{i}.attn.proj_qkv.txt.weight"], sd[f"blocks.{i}.attn.proj_qkv.vid.weight"])
-    base = model(io["vid_in"], io["txt_in"], io["timestep"])
+    one = single_runtime(model.cfg, model.grid_of(io["vid_in"].shape))
+    base = model(io["vid_in"], io["txt_in"], io["timestep"], runtime=one)
     w = model.blocks[3].attn.proj_qkv["txt"].weight
     old = w.clone()
     try:
         w.mul_(1.1)
-        moved = model(io["vid_in"], io["txt_in"], io["timestep"])
+        moved = model(io["vid_in"], io["txt_in"], io["timestep"], runtime=one)
     finally:
         w.copy_(old)
     assert (moved - base).abs().max() > 1e-4 * base.abs().max()
@@ -147,7 +150,7 @@ def test_random_tiny_7b_runs_in_bf16():
     model = build_model("tiny-7b", dtype=torch.bfloat16)
     vid, txt = random_inputs(model.cfg, (2, 4, 6), txt_len=5)
     with torch.no_grad():
-        out = model(vid, txt, 1000.0)
+        out = model(vid, txt, 1000.0, runtime=single_runtime(model.cfg, (2, 4, 6)))
     assert out.shape == (2, 8, 12, 16) and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
 
 

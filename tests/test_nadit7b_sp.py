@@ -7,7 +7,7 @@ from ditsp.config import ParallelConfig
 from ditsp.models.seedvr2.job.forward import RunSpec, build_for, rank_forward
 from ditsp.models.seedvr2.nadit.config import NaDiTConfig
 from ditsp.models.seedvr2.nadit.model import NaDiT, init_random_, random_inputs
-from ditsp.models.seedvr2.parallelize import parallelize
+from ditsp.models.seedvr2.parallelize import parallelize, single_runtime
 
 pytestmark = pytest.mark.timeout(180)
 GRID = (5, 20, 36)
@@ -17,7 +17,7 @@ GRID = (5, 20, 36)
 def reference():
     model, vid, txt = build_for(RunSpec(model="tiny-7b", grid=GRID, sp=1))
     with torch.no_grad():
-        return model(vid, txt, 1000.0)
+        return model(vid, txt, 1000.0, runtime=single_runtime(model.cfg, GRID))
 
 
 @pytest.mark.parametrize("world,planner,path", [(2, "lpt", "window"), (5, "locality", "window"),

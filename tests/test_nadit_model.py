@@ -6,7 +6,7 @@ import torch
 
 from ditsp.config import ParallelConfig, ParallelConfigError
 from ditsp.models.seedvr2.nadit import SEEDVR2_3B, TINY, NaDiT, x0_from_v
-from ditsp.models.seedvr2.parallelize import parallelize
+from ditsp.models.seedvr2.parallelize import parallelize, single_runtime
 from ditsp.models.seedvr2.nadit.model import build_model, patchify, random_inputs, unpatchify
 from ditsp.windows.geometry import window_layout
 
@@ -98,6 +98,15 @@ def test_forward_rejects_a_runtime_for_another_grid():
         model(vid, txt, 1000.0, runtime=parallelize(TINY, None, (5, 20, 38)))
 
 
+def test_forward_needs_a_runtime_built_outside_the_model():
+    """The model never builds its own runtime: a forward without one names the function that builds it."""
+    model = build_model(TINY)
+    vid, txt = random_inputs(TINY, GRID)
+    assert not hasattr(model, "single_runtime")
+    with pytest.raises(TypeError, match="parallelize.single_runtime"):
+        model(vid, txt, 1000.0)
+
+
 # ------------------------------------------------------------------ single device vs window SP
 
 
@@ -106,7 +115,7 @@ def sp_vs_single(ctx, grid, dtype_name, seed=3):
     dtype = getattr(torch, dtype_name)
     model = build_model(TINY, seed=seed, dtype=dtype)
     vid, txt = random_inputs(TINY, grid, seed=seed)
-    single = model(vid, txt, 1000.0)
+    single = model(vid, txt, 1000.0, runtime=single_runtime(TINY, grid))
     rt = parallelize(TINY, ParallelConfig.window(ctx.world_size, window_path="window"), grid, ctx.group)
     out = model(vid, txt, 1000.0, runtime=rt)
     return ((out.float() - single.float()).abs().max() / single.float().abs().max()).item(), \
@@ -138,7 +147,8 @@ def test_window_sp_matches_single_device_bf16(clusters):
 @torch.no_grad()
 def test_bf16_stays_close_to_fp32():
     vid, txt = random_inputs(TINY, GRID, seed=3)
-    ref = build_model(TINY, seed=3)(vid, txt, 1000.0)
-    out = build_model(TINY, seed=3, dtype=torch.bfloat16)(vid, txt, 1000.0)
+    one = single_runtime(TINY, GRID)
+    ref = build_model(TINY, seed=3)(vid, txt, 1000.0, runtime=one)
+    out = build_model(TINY, seed=3, dtype=torch.bfloat16)(vid, txt, 1000.0, runtime=one)
     assert out.dtype == torch.bfloat16
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() <= 3e-2  # measured 9e-3

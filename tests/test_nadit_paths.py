@@ -5,6 +5,7 @@ import torch
 
 from ditsp.attention.common import even_splits
 from ditsp.models.seedvr2.job.forward import RunSpec, build_for, rank_forward
+from ditsp.models.seedvr2.parallelize import single_runtime
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -20,7 +21,7 @@ def reference():
     spec = RunSpec(model="tiny", grid=(5, 20, 36), sp=1)
     model, vid, txt = build_for(spec)
     with torch.no_grad():
-        return model(vid, txt, 1000.0)
+        return model(vid, txt, 1000.0, runtime=single_runtime(model.cfg, spec.grid))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])  # 3 heads: 4 ranks leave one rank without a head

@@ -10,6 +10,7 @@ from ditsp.models.seedvr2.nadit import TINY, NaDiT
 from ditsp.models.seedvr2.nadit.blocks import ATTN, MLP, AdaSingle, WindowMMAttention, emb_slots, rms_norm
 from ditsp.models.seedvr2.nadit.model import build_model, random_inputs
 from ditsp.models.seedvr2.nadit.rope import MMRope3d
+from ditsp.models.seedvr2.parallelize import single_runtime
 
 GRID = (5, 20, 36)
 
@@ -45,7 +46,7 @@ def _capture(model, vid, txt):
     hooks.append(model.vid_out.proj.register_forward_pre_hook(lambda m, a: rec.__setitem__("final", a[0])))
     with torch.no_grad():
         rec["emb"] = model.emb_in(torch.tensor([1000.0]), torch.float32)[0]
-        rec["out"] = model(vid, txt, 1000.0)
+        rec["out"] = model(vid, txt, 1000.0, runtime=single_runtime(model.cfg, model.grid_of(vid.shape)))
     for h in hooks:
         h.remove()
     return rec

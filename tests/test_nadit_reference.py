@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from ditsp.config import ParallelConfig
 from ditsp.models.seedvr2.nadit import NaDiT, TINY, load_checkpoint
-from ditsp.models.seedvr2.parallelize import parallelize
+from ditsp.models.seedvr2.parallelize import parallelize, single_runtime
 
 DATA = Path(__file__).parent / "data" / "nadit-3b-tiny"
 REL_TOL = 1e-5
@@ -47,7 +47,8 @@ def test_time_embedding_matches_reference():
 @torch.no_grad()
 def test_single_device_reproduces_reference():
     model, d = reference_model(), io()
-    out = model(d["vid_in"], d["txt_in"], d["timestep"])
+    one = single_runtime(model.cfg, model.grid_of(d["vid_in"].shape))
+    out = model(d["vid_in"], d["txt_in"], d["timestep"], runtime=one)
     assert out.shape == d["vid_out"].shape == (5, 40, 72, 16)
     assert rel_err(out, d["vid_out"]) <= REL_TOL
 

@@ -15,6 +15,7 @@ from ditsp.models.seedvr2.nadit.model import build_model, init_random_, random_i
 from ditsp.weights.convert import save_gguf
 from ditsp.weights.gguf_write import q8_0
 from ditsp.weights.offload import BlockOffload, offload_blocks
+from ditsp.models.seedvr2.parallelize import single_runtime
 
 pytestmark = pytest.mark.timeout(240)
 GRID = (3, 8, 12)
@@ -24,9 +25,8 @@ def forward(model, deterministic: bool | None = None):
     from ditsp.fixed_shape import shapes_for
 
     vid, txt = random_inputs(TINY, GRID, seed=1)
-    rt = None
+    rt = single_runtime(model.cfg, model.grid_of(vid.shape))
     if deterministic is not None:
-        rt = model.single_runtime(model.grid_of(vid.shape))
         rt.kernel_shapes = shapes_for(deterministic)
     with torch.no_grad():
         return model(vid, txt, 1000.0, runtime=rt)

@@ -12,6 +12,7 @@ from ditsp.distributed.comm import Comm
 from ditsp.models.seedvr2.job.forward import RunSpec, build_for
 from ditsp.fixed_shape import DETERMINISTIC
 from ditsp.sp.window_aligned import WindowRuntime
+from ditsp.models.seedvr2.parallelize import single_runtime
 
 GRID = (5, 20, 36)
 
@@ -40,7 +41,7 @@ def test_layout_changes_are_one_device_bits_under_every_policy(clusters, world, 
     torch.set_num_threads(1)  # the ranks' thread count
     model, vid, txt = build_for(RunSpec("tiny", GRID, 1, dtype=dtype))
     with torch.no_grad():
-        ref = model(vid, txt, 1000.0, runtime=model.single_runtime(GRID, deterministic=True))
+        ref = model(vid, txt, 1000.0, runtime=single_runtime(model.cfg, GRID, deterministic=True))
     for planner in ("lpt", "locality"):
         off = clusters(world).run(policy_forward, planner, "off", 1 << 30, dtype)
         capacity = 8192
@@ -61,5 +62,5 @@ def test_single_device_layout_changes_use_no_collective():
     cfg = model.cfg
     rt = WindowRuntime.single(GRID, cfg.window_methods, cfg.num_windows, torch.float64)
     with torch.no_grad():
-        assert torch.equal(model(vid, txt, 1000.0, runtime=rt), model(vid, txt, 1000.0))
+        assert torch.equal(model(vid, txt, 1000.0, runtime=rt), model(vid, txt, 1000.0, runtime=single_runtime(cfg, GRID)))
     assert rt.comm.stats.calls == 0 and rt.exposed_s >= 0.0

@@ -11,6 +11,7 @@ from ditsp.models.seedvr2.nadit.model import build_model, random_inputs
 from ditsp.models.seedvr2.packed import packed_forward, packed_runtime
 from ditsp.windows.packed import packed_layout
 from ditsp.windows.planners import plan_layouts
+from ditsp.models.seedvr2.parallelize import single_runtime
 
 # a short clip, an image, a bigger clip at another resolution, a tiny image
 GRIDS = [(2, 6, 8), (1, 4, 6), (3, 10, 6), (1, 2, 2)]
@@ -38,7 +39,7 @@ def _rank(ctx, planner):
 def alone():
     torch.set_num_threads(1)
     model = build_model("tiny")
-    return [model(v, t, ts, runtime=model.single_runtime(model.grid_of(v.shape), deterministic=True))
+    return [model(v, t, ts, runtime=single_runtime(model.cfg, model.grid_of(v.shape), deterministic=True))
             for v, t, ts in requests(model.cfg)]
 
 

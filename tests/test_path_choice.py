@@ -9,7 +9,7 @@ from ditsp.config import ParallelConfig
 from ditsp.distributed.agree import DisagreementError
 from ditsp.models.seedvr2.job.forward import RunSpec, build_for
 from ditsp.models.seedvr2.nadit.config import TINY, get_config
-from ditsp.models.seedvr2.parallelize import parallelize
+from ditsp.models.seedvr2.parallelize import parallelize, single_runtime
 from ditsp.sp.choice import CANDIDATES, ENV_LINK, ChosenRuntime, Link, choose, path_costs
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,7 +63,7 @@ def test_auto_is_one_choice_on_every_rank_and_one_device_bits(clusters):
     torch.set_num_threads(1)
     try:
         model, vid, txt = build_for(RunSpec("tiny", GRID, 1))
-        ref = model(vid, txt, 1000.0, runtime=model.single_runtime(GRID, deterministic=True))
+        ref = model(vid, txt, 1000.0, runtime=single_runtime(model.cfg, GRID, deterministic=True))
         results = clusters(2).run(auto_forward)
     finally:
         torch.set_num_threads(before)

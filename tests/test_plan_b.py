@@ -7,7 +7,7 @@ import torch
 from ditsp.config import ParallelConfig
 from ditsp.models.seedvr2.job.forward import Engine, RunSpec, build_for
 from ditsp.models.seedvr2.nadit.config import TINY
-from ditsp.models.seedvr2.parallelize import parallelize
+from ditsp.models.seedvr2.parallelize import parallelize, single_runtime
 from ditsp.sp.halo_slab import HaloSlabRuntime, plan_halo
 from ditsp.windows.traffic import halo_traffic
 
@@ -62,7 +62,7 @@ def forward_halo(ctx, specs):
 @torch.no_grad()
 def single(spec):
     model, vid, txt = build_for(RunSpec(spec.model, spec.grid, 1, dtype=spec.dtype))
-    return model(vid, txt, 1000.0, runtime=model.single_runtime(spec.grid, deterministic=spec.deterministic))
+    return model(vid, txt, 1000.0, runtime=single_runtime(model.cfg, spec.grid, deterministic=spec.deterministic))
 
 
 @pytest.mark.bitwise

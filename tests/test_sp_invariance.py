@@ -26,7 +26,7 @@ from ditsp.models.seedvr2.nadit.config import TINY, TINY_7B
 from ditsp.attention.window import segment_attention
 from ditsp.fixed_shape import FAST, KernelShapes, linear_rows, plain_linear, use
 from ditsp.models.seedvr2.nadit.tokenwise import TokenLinear
-from ditsp.models.seedvr2.parallelize import parallelize
+from ditsp.models.seedvr2.parallelize import parallelize, single_runtime
 from ditsp.windows.schedule import plan_schedule
 
 pytestmark = [pytest.mark.bitwise, pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]
@@ -72,7 +72,7 @@ def vector_model(directory):
 @torch.no_grad()
 def single(spec, deterministic=True):
     model, vid, txt = build_for(RunSpec(spec.model, spec.grid, 1, dtype=spec.dtype, seed=spec.seed))
-    rt = model.single_runtime(model.grid_of(vid.shape), deterministic=deterministic)
+    rt = single_runtime(model.cfg, model.grid_of(vid.shape), deterministic=deterministic)
     return model(vid, txt, 1000.0, runtime=rt)
 
 
@@ -134,7 +134,7 @@ def test_reference_vectors_bitwise_at_every_degree(clusters, directory):
     _, model, d = vector_model(directory)
     with torch.no_grad():
         ref = model(d["vid_in"], d["txt_in"], d["timestep"],
-                    runtime=model.single_runtime(model.grid_of(d["vid_in"].shape), deterministic=True))
+                    runtime=single_runtime(model.cfg, model.grid_of(d["vid_in"].shape), deterministic=True))
     for n in DEGREES:
         for planner in ("lpt", "locality"):
             for rank, out in enumerate(clusters(n).run(forward_vectors, str(directory), planner)):

@@ -16,7 +16,7 @@ from ditsp.config import ParallelConfig
 from ditsp.distributed.comm import Comm
 from ditsp.models.seedvr2.nadit import TINY, CheckpointError, NaDiT, load_checkpoint
 from ditsp.models.seedvr2.nadit.model import build_model, init_random_, random_inputs
-from ditsp.models.seedvr2.parallelize import parallelize
+from ditsp.models.seedvr2.parallelize import parallelize, single_runtime
 from ditsp.models.seedvr2.vae import TINY as VAE_TINY
 from ditsp.models.seedvr2.vae import CheckpointError as VaeCheckpointError
 from ditsp.models.seedvr2.vae import VideoVAE
@@ -98,10 +98,11 @@ def test_dit_formats_stay_quantized_and_match_float(files, dit_source, inputs, f
         assert any(n.startswith("blocks.2.") for n, *_ in quantized_weights(model))
     assert held_bytes(model) < 0.45 * held_bytes(dit_source)
     vid, txt = inputs
+    one = single_runtime(TINY, model.grid_of(vid.shape))
     with torch.no_grad():
-        out = model(vid, txt, 1000.0)
-        exact = dequantized_copy(model, NaDiT, TINY)(vid, txt, 1000.0)
-        ref = dit_source(vid, txt, 1000.0)
+        out = model(vid, txt, 1000.0, runtime=one)
+        exact = dequantized_copy(model, NaDiT, TINY)(vid, txt, 1000.0, runtime=one)
+        ref = dit_source(vid, txt, 1000.0, runtime=one)
     assert rel(out, exact) <= 1e-5  # per-layer dequantization is the dequantized model
     assert 0 < rel(out, ref) <= DIT_FORMATS[fmt][1]
     assert held_bytes(model) == sum(t.numel() * t.element_size() for t in model.state_dict().values()), \
@@ -117,9 +118,10 @@ def test_weights_dtype_fp8_quantizes_a_float_checkpoint_at_load(tmp_path, dit_so
     assert formats_held(model) == {"fp8_e4m3fn": 36}
     assert all(p.probe.dtype == torch.bfloat16 for _, _, p, _ in quantized_weights(model))
     vid, txt = inputs
+    one = single_runtime(TINY, model.grid_of(vid.shape))
     with torch.no_grad():
-        out = model(vid, txt, 1000.0).float()
-        ref = dit_source(vid, txt, 1000.0)
+        out = model(vid, txt, 1000.0, runtime=one).float()
+        ref = dit_source(vid, txt, 1000.0, runtime=one)
     assert rel(out, ref) <= 0.10
     # the same switch on seeded weights (no file)
     assert formats_held(build_model(TINY, weights_dtype="fp8_e5m2")) == {"fp8_e5m2": 36}
@@ -232,7 +234,7 @@ def test_quantized_model_casts_and_moves_as_a_whole(files, inputs):
     assert all(torch.equal(o, raw[n]) for n, _, _, o in quantized_weights(model)), "stored bytes untouched"
     vid, txt = inputs
     with torch.no_grad():
-        assert model(vid, txt, 1000.0).dtype == torch.bfloat16
+        assert model(vid, txt, 1000.0, runtime=single_runtime(TINY, model.grid_of(vid.shape))).dtype == torch.bfloat16
 
 
 # ------------------------------------------------------------------------------------- VAE
@@ -311,7 +313,7 @@ def test_quantized_weights_under_sp2_match_one_device(clusters, files, vae_files
     single = build_model(TINY, checkpoint=files[dit_fmt])
     vid, txt = inputs
     with torch.no_grad():
-        ref = single(vid, txt, 1000.0)
+        ref = single(vid, txt, 1000.0, runtime=single_runtime(TINY, single.grid_of(vid.shape)))
     results = clusters(2).run(quantized_sp_forward, files[dit_fmt], vae_files[vae_fmt])
     for out, vae_err in results:
         assert rel(out, ref) <= 1e-5

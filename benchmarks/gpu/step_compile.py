@@ -13,6 +13,7 @@ from unittest import mock
 import torch
 
 from ditsp.models.seedvr2 import compiled
+from ditsp.models.seedvr2.parallelize import single_runtime
 
 from . import build
 from .measure import rel_err, sync, timed
@@ -26,7 +27,7 @@ def run(ctx) -> None:
     dev, prof = ctx.device, ctx.profile
     model = build.dit(prof.compile_model, dev, prof.dtype, layers=prof.compile_layers)
     grid, vid, txt = build.inputs(model.cfg, prof.compile_size, dev)
-    rt = model.single_runtime(grid)
+    rt = single_runtime(model.cfg, grid)
     fwd = lambda: model(vid, txt, 1000.0, runtime=rt)  # noqa: E731
     eager_s, _ = timed(fwd, dev, reps=3, warmup=1)
     want = fwd()

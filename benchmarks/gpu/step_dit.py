@@ -14,6 +14,7 @@ import torch
 
 from ditsp.models.seedvr2.job.plan_report import memory_estimate
 from ditsp.models.seedvr2.nadit.config import get_config
+from ditsp.models.seedvr2.parallelize import single_runtime
 from ditsp.windows.schedule import plan_schedule
 
 from . import build
@@ -55,7 +56,7 @@ def run(ctx) -> None:
 def _item(ctx, model, cfg, item, size, reps, flops) -> float | None:
     dev = ctx.device
     grid, vid, txt = build.inputs(cfg, size, dev)
-    rt = model.single_runtime(grid)
+    rt = single_runtime(model.cfg, grid)
     schedule = plan_schedule(grid, cfg.window_methods, 1, "lpt", cfg.num_windows)
     est = memory_estimate(schedule, cfg, 2, feed="canonical")
     fwd = lambda: model(vid, txt, 1000.0, runtime=rt)  # noqa: E731

@@ -14,7 +14,7 @@ import torch
 
 from ditsp.config import ParallelConfig
 from ditsp.distributed.comm import Comm
-from ditsp.models.seedvr2.parallelize import parallelize
+from ditsp.models.seedvr2.parallelize import parallelize, single_runtime
 
 from . import build
 from .measure import rel_err
@@ -57,7 +57,7 @@ def _nccl_of_one(ctx) -> None:
         model = build.dit(ctx.profile.ranks_model, dev, "fp32")
         grid, vid, txt = build.inputs(model.cfg, ctx.profile.ranks_size, dev)
         with torch.no_grad():
-            want = model(vid, txt, 1000.0)
+            want = model(vid, txt, 1000.0, runtime=single_runtime(model.cfg, grid))
             got = model(vid, txt, 1000.0, runtime=parallelize(model.cfg, ParallelConfig.window(1), grid, comm))
         err = rel_err(got, want)
         ok = facts["backend"] == "nccl" and facts["current"] == 0 and torch.equal(out, t) and ints == [[3, 4]] \
@@ -116,7 +116,7 @@ def shared_rank(rctx, device_type, kind, what, model_name, size, vae_widths, vae
         if kind == "dit":
             model = build.dit(model_name, dev, "fp32")
             grid, vid, txt = build.inputs(model.cfg, size, dev)
-            want = model(vid, txt, 1000.0)
+            want = model(vid, txt, 1000.0, runtime=single_runtime(model.cfg, grid))
             rt = parallelize(model.cfg, ParallelConfig.window(2, window_path=what), grid, comm)
             comm.stats.reset()
             got = model(vid, txt, 1000.0, runtime=rt)

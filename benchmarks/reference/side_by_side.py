@@ -304,6 +304,7 @@ def build_ditsp(case: dict, args):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[case["dtype"]]
     if case["model"] == "dit":
         from ditsp.models.seedvr2.nadit.model import build_model
+        from ditsp.models.seedvr2.parallelize import single_runtime
 
         model = build_model("seedvr2-3b", args.layers, checkpoint=str(args.work / f"dit-3b-{args.layers}l.pth"),
                             dtype=dtype)
@@ -312,7 +313,7 @@ def build_ditsp(case: dict, args):
 
         def call():
             with torch.no_grad(), use(FAST):
-                return model(vid, txt, TIMESTEP)
+                return model(vid, txt, TIMESTEP, runtime=single_runtime(model.cfg, model.grid_of(vid.shape)))
 
         return call
     from ditsp.models.seedvr2.vae import RELEASED, VideoVAE, load_checkpoint

@@ -37,6 +37,7 @@ CASES = {
 
 def _dit(case: str, dtype: torch.dtype):
     from ..models.seedvr2.nadit.model import build_model, random_inputs
+    from ..models.seedvr2.parallelize import single_runtime
 
     model = build_model("seedvr2-3b" if case == "dit-3b" else "seedvr2-7b", num_layers=2, dtype=dtype)
     vid, txt = random_inputs(model.cfg, model.grid_of(CASES[case][1]), txt_len=64)
@@ -44,7 +45,7 @@ def _dit(case: str, dtype: torch.dtype):
 
     def call(shapes: KernelShapes):
         if shapes not in rts:
-            rts[shapes] = model.single_runtime(model.grid_of(vid.shape))
+            rts[shapes] = single_runtime(model.cfg, model.grid_of(vid.shape))
             rts[shapes].kernel_shapes = shapes
         return model(vid, txt, 1000.0, runtime=rts[shapes])
 

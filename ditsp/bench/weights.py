@@ -213,6 +213,7 @@ def quality(folder: str) -> list[dict]:
 
     from ..models.seedvr2.nadit.model import NaDiT
     from ..models.seedvr2.nadit.checkpoint import load_checkpoint
+    from ..models.seedvr2.parallelize import single_runtime
     from ..models.seedvr2.verify import nadit_config, read_config
     from ..models.seedvr2.vae import TINY as VAE_TINY
     from ..models.seedvr2.vae import VideoVAE
@@ -233,13 +234,14 @@ def quality(folder: str) -> list[dict]:
         full = NaDiT(cfg).eval()
         load_checkpoint(full, sd)
         with torch.no_grad():
-            ref = full(io["vid_in"], io["txt_in"], io["timestep"])
+            one = single_runtime(cfg, full.grid_of(io["vid_in"].shape))
+            ref = full(io["vid_in"], io["txt_in"], io["timestep"], runtime=one)
         for fmt in QUALITY_FORMATS:
             with torch.device("meta"):
                 m = NaDiT(cfg)
             load_checkpoint(m, _write_quality(fmt, sd, folder, name))
             with torch.no_grad():
-                out = m.eval()(io["vid_in"], io["txt_in"], io["timestep"])
+                out = m.eval()(io["vid_in"], io["txt_in"], io["timestep"], runtime=one)
             rows.append({"model": name, "fmt": fmt, "what": "DiT output", **dict(zip(("max", "rel"), err(out, ref)))})
     vae = seeded_vae(VAE_TINY, 1234)
     io = load_file(os.path.join(VECTORS, "vae-tiny", "io.safetensors"))

@@ -113,8 +113,9 @@ def latents(vae: VideoVAE, degraded: torch.Tensor, clean: torch.Tensor, g: torch
 
 
 def dit_loss(dit, vae: VideoVAE, text: torch.Tensor, degraded: torch.Tensor, clean: torch.Tensor,
-             g: torch.Generator, runtime=None) -> torch.Tensor:
-    """Mean over the batch of the one-step x0 regression; ``runtime``: the SP group's (None: one device)."""
+             g: torch.Generator, runtime) -> torch.Tensor:
+    """Mean over the batch of the one-step x0 regression; ``runtime``: the DiT's (the SP group's, or
+    :func:`~ditsp.models.seedvr2.parallelize.single_runtime`'s on one device)."""
     cond, target = latents(vae, degraded, clean, g)
     losses = []
     for c, z in zip(cond, target):

@@ -4,7 +4,7 @@ The model code never decides how it is parallelised. For one request (its
 post-patch grid) and an SP group, :func:`parallelize` checks the parallel
 configuration against what SeedVR2 can run (window attention only: no ring,
 no uneven-head Ulysses, no permuted transport) and returns the runtime the
-model's forward takes:
+model's forward takes (:func:`single_runtime`: the one for one device):
 
 Everything comes from the :class:`~ditsp.config.ParallelConfig` (one route per setting):
 ``window_path`` picks the runtime and ``window_planner`` Plan A's planner.
@@ -29,7 +29,7 @@ from ...config import ParallelConfig, ParallelConfigError
 from ...distributed.comm import Comm
 from ...distributed.agree import agree
 from ...distributed.transport import TransportSettings
-from ...fixed_shape import shapes_for
+from ...fixed_shape import DEFAULT_DETERMINISTIC, shapes_for
 from ...sp import SPRuntime, UlyssesWindowRuntime, WindowRuntime
 from .nadit.config import NaDiTConfig
 from ...sp.halo_slab import HaloSlabRuntime
@@ -65,6 +65,13 @@ def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: 
     if world > 1:
         agree(comm, "the kernel-shape policy (deterministic)", {"deterministic": pc.deterministic})
     return rt
+
+
+def single_runtime(cfg: NaDiTConfig, grid: Sequence[int], planner: str = "lpt",
+                   deterministic: bool = DEFAULT_DETERMINISTIC) -> SPRuntime:
+    """The one-device runtime of a request: the single-device forward runs the runtime SP builds, on one rank
+    (Plan A with ``planner``), so one device and SP share every line of the model's forward."""
+    return parallelize(cfg, ParallelConfig(window_planner=planner, deterministic=deterministic), grid)
 
 
 def _build(path: str, cfg: NaDiTConfig, grid: Sequence[int], comm: Comm, planner: str | None,

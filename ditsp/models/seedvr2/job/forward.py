@@ -28,7 +28,7 @@ from ....windows.ownership import RowOwnership
 from ... import resident
 from ..compiled import compile_dit, describe, stance
 from ..nadit.model import build_model, random_inputs
-from ..parallelize import parallelize
+from ..parallelize import parallelize, single_runtime
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,7 @@ def summarize(spec: RunSpec, results: list[dict], check: bool, threads: int) -> 
     if check and out is not None:
         torch.set_num_threads(threads)
         model, vid, txt = build_for(spec)
-        one = model.single_runtime(model.grid_of(vid.shape))
+        one = single_runtime(model.cfg, model.grid_of(vid.shape))
         one.kernel_shapes = shapes_for(spec.deterministic)  # one device runs the same calls (or plain ones)
         with torch.no_grad(), stance(False):  # the eager reference, even where this process's model is compiled
             ref = model(vid, txt, 1000.0, runtime=one).float()

@@ -5,9 +5,10 @@ The families share geometry, time embedding, patching, the runtime protocol
 and the loader; they differ in their block class and output head
 (:data:`FAMILIES`), picked by ``cfg.variant``.
 
-The forward always runs through an SP runtime (:class:`ditsp.sp.SPRuntime`):
-a one-rank window runtime on a single device, the SP group's runtime under
-window-aligned SP or the Ulysses baseline (see ``..parallelize``). Each rank
+The forward always runs through an SP runtime (:class:`ditsp.sp.SPRuntime`)
+that its caller builds, from outside the model (``..parallelize``): a one-rank
+window runtime on a single device (``single_runtime``), the SP group's runtime
+under window-aligned SP, Plan B or the Ulysses baseline (``parallelize``). Each rank
 keeps only its own video rows from the patch embedding to the output
 projection (everything but attention is tokenwise), text is replicated, and
 the runtime re-shards at layout changes, reduces the per-window text outputs
@@ -23,10 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ....config import ParallelConfig
-from ....fixed_shape import DEFAULT_DETERMINISTIC
 from ....fixed_shape import use as use_kernel_shapes
-from ....sp import SPRuntime, WindowRuntime, check_request
+from ....sp import SPRuntime, check_request
 from ....sp.recompute import checkpointed
 from ....weights.load import quantize_
 from ....windows.ownership import RowOwnership
@@ -125,19 +124,13 @@ class NaDiT(nn.Module):
             raise ValueError(f"latent (T,H,W)=({T},{H},{W}) does not divide by the patch {self.cfg.patch_size}")
         return (T // pt, H // ph, W // pw)
 
-    def single_runtime(self, grid: Sequence[int], planner: str = "lpt",
-                       deterministic: bool = DEFAULT_DETERMINISTIC) -> WindowRuntime:
-        """The one-rank runtime: the single-device forward (the same runtime SP builds, on one rank)."""
-        from ..parallelize import parallelize  # local: a genuine cycle (parallelize imports this package)
-
-        return parallelize(self.cfg, ParallelConfig(window_planner=planner, deterministic=deterministic), grid)
-
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, timestep, runtime: SPRuntime | None = None,
                 states: dict | None = None, rows: RowOwnership | None = None) -> torch.Tensor:
         """vid (T, H, W, 33) latent, txt (L, txt_in_dim), timestep scalar -> v (T, H, W, 16).
 
-        ``runtime`` None runs on this device alone; under SP pass the group's
-        runtime (:func:`ditsp.models.seedvr2.parallelize.parallelize`) and every rank returns the full output.
+        ``runtime`` is required: on one device
+        :func:`ditsp.models.seedvr2.parallelize.single_runtime`, under SP the group's
+        (:func:`ditsp.models.seedvr2.parallelize.parallelize`), and every rank returns the full output.
 
         ``rows``: ``vid`` is only this rank's ``(n, 33)`` rows of the latent
         grid as ``rows`` holds them (e.g. a sharded VAE's height slab), and the
@@ -149,11 +142,13 @@ class NaDiT(nn.Module):
         (canonical rows, gathered: every rank must pass it) and ``block<i>.txt``;
         a 7B model then also computes the last block's discarded text output.
         """
+        if runtime is None:
+            raise TypeError("NaDiT.forward needs a runtime: ditsp.models.seedvr2.parallelize.single_runtime(cfg, grid) "
+                            "on one device, parallelize(cfg, parallel_config, grid, group) under SP")
         grid = self.grid_of(rows.grid if rows is not None else vid.shape)
-        rt = runtime or self.single_runtime(grid)
-        check_request(rt, grid, self.cfg.window_methods, self.cfg.name)
-        with use_kernel_shapes(rt.kernel_shapes):  # the request's kernel-shape policy, for every call below
-            return self._forward(vid, txt, timestep, rt, grid, states, rows)
+        check_request(runtime, grid, self.cfg.window_methods, self.cfg.name)
+        with use_kernel_shapes(runtime.kernel_shapes):  # the request's kernel-shape policy, for every call below
+            return self._forward(vid, txt, timestep, runtime, grid, states, rows)
 
     def _forward(self, vid, txt, timestep, rt: SPRuntime, grid, states, rows) -> torch.Tensor:
         cfg, dtype = self.cfg, self.dtype

@@ -12,7 +12,7 @@ from .vectors import ClusterFactory, REL_TOL, VectorSetError, _digest, read_conf
 from ..nadit.config import NaDiTConfig
 from ..nadit import NaDiT, load_checkpoint
 from ....config import ParallelConfig
-from ..parallelize import parallelize
+from ..parallelize import parallelize, single_runtime
 from ....distributed.launcher import LocalCluster
 from safetensors.torch import load_file
 
@@ -96,7 +96,8 @@ def check_nadit(directory: str | os.PathLike, degrees: Sequence[int] = (1, 2, 3)
             raise ValueError(f"SP degree must be >= 1, got {n}")
         if n == 1:
             states: dict = {}
-            out = model(io["vid_in"], io["txt_in"], io["timestep"], states=states)
+            out = model(io["vid_in"], io["txt_in"], io["timestep"], states=states,
+                        runtime=single_runtime(cfg, model.grid_of(io["vid_in"].shape)))
             err = rel_err(out.reshape(ref.shape), ref)
             run = {"degree": 1, "path": "single device", "rel_err": err, "ranks_agree": True}
             if err > REL_TOL:  # point at the first intermediate the reference also stored that disagrees
