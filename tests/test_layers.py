@@ -1,6 +1,6 @@
 """The layers of docs/architecture.md, enforced on the import graph (an AST read of every module of ditsp,
-function-local imports included): no upward import, no import circle, and no torch.distributed
-collective outside ``ditsp/distributed/``."""
+function-local imports included): no upward import, between packages and inside a model family's folder, no
+import circle, and no torch.distributed collective outside ``ditsp/distributed/``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,14 @@ LAYERS = (
     ("config", "cpu", "dtypes", "errors", "fixed_shape", "memory", "row_blocks", "scoped_env"),
 )
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+# Inside a model family's folder (models/<family>/), top to bottom: the networks never reach up to what builds,
+# parallelises, feeds or runs them (a model never builds its own runtime: its caller passes one).
+FAMILY_LAYERS = (
+    ("job", "verify"),  # jobs on the model (restoration, one forward, plan) and the reference vectors' checks
+    ("weights", "parallelize", "packed", "pipeline", "presets"),  # what builds, parallelises and feeds the networks
+    ("nadit", "vae", "compiled"),  # the networks and their compiled kernels
+)
+FAMILY_RANK = {name: i for i, names in enumerate(FAMILY_LAYERS) for name in names}
 # Sub-packages with a layer of their own, not their parent's: the ComfyUI nodes live with the integrations
 # (ditsp/integrations/comfyui) but are a front door.
 SUBPACKAGE_LAYERS = {"integrations.comfyui": "comfyui"}
@@ -66,12 +74,14 @@ def _targets(mod: str, path: pathlib.Path, node: ast.AST) -> list[str]:
     return [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
 
 
+def _imports(mod: str, path: pathlib.Path, text: str | None = None) -> set[tuple[str, int]]:
+    """(module, line) of every ditsp import of ``mod`` (its file, or ``text`` read as that file), in functions too."""
+    tree = ast.parse(path.read_text() if text is None else text)
+    return {(t, n.lineno) for n in ast.walk(tree) for t in _targets(mod, path, n) if t != mod}
+
+
 def _graph() -> dict[str, set[tuple[str, int]]]:
-    g = {}
-    for mod, path in MODULES.items():
-        g[mod] = {(t, n.lineno) for n in ast.walk(ast.parse(path.read_text())) for t in _targets(mod, path, n)
-                  if t != mod}
-    return g
+    return {mod: _imports(mod, path) for mod, path in MODULES.items()}
 
 
 def _layer(mod: str) -> str:
@@ -93,6 +103,54 @@ def test_no_upward_import():
             if a and b and a != b and RANK[b] < RANK[a]:
                 up.append(f"{MODULES[mod].relative_to(ROOT.parent)}:{line} imports {t} ({a} is below {b})")
     assert not up, "upward imports:\n" + "\n".join(sorted(up))
+
+
+def _family_unit(mod: str) -> tuple[str, str] | None:
+    """(family, unit) of a module inside a model family's folder: ``ditsp.models.seedvr2.nadit.model`` ->
+    (seedvr2, nadit); None outside one (``models/meta.py``, a family's own ``__init__``)."""
+    parts = mod.split(".")
+    return (parts[2], parts[3]) if len(parts) >= 4 and parts[1] == "models" else None
+
+
+# models/'s own modules (meta, resident, ...): what every family uses, so below them all
+MODELS_SHARED = {m for m, p in MODULES.items() if m.count(".") == 2 and _layer(m) == "models" and p.name != "__init__.py"}
+
+
+def _upward_in_families(graph: dict[str, set[tuple[str, int]]]) -> list[str]:
+    up = []
+    for mod, targets in graph.items():
+        a = _family_unit(mod)
+        for t, line in targets:
+            b = _family_unit(t)
+            if a and b and a[0] == b[0] and a[1] != b[1] and FAMILY_RANK[b[1]] < FAMILY_RANK[a[1]]:
+                up.append(f"{mod}:{line} imports {t} ({a[1]} is below {b[1]})")
+            elif b and mod in MODELS_SHARED:
+                up.append(f"{mod}:{line} imports {t} (models' shared modules are below every family)")
+    return sorted(up)
+
+
+def test_every_unit_of_a_model_family_has_a_layer():
+    units = {u[1] for u in map(_family_unit, MODULES) if u}
+    assert units <= set(FAMILY_RANK), f"add {sorted(units - set(FAMILY_RANK))} to FAMILY_LAYERS (and docs/architecture.md)"
+
+
+def test_no_upward_import_inside_a_model_family():
+    up = _upward_in_families(_graph())
+    assert not up, "upward imports inside a model family:\n" + "\n".join(up)
+
+
+def test_a_model_building_its_own_runtime_in_a_function_is_upward():
+    """The check reads function-local imports: a network that imports what parallelises it inside a method
+    (the model building its own runtime) is refused, wherever the import sits."""
+    mod = "ditsp.models.seedvr2.nadit.model"
+    builds_its_runtime = (
+        "class NaDiT:\n"
+        "    def single_runtime(self, grid):\n"
+        "        from ..parallelize import parallelize  # local\n"
+        "        return parallelize(self.cfg, None, grid)\n"
+    )
+    up = _upward_in_families({mod: _imports(mod, MODULES[mod], builds_its_runtime)})
+    assert up == [f"{mod}:3 imports ditsp.models.seedvr2.parallelize (nadit is below parallelize)"]
 
 
 def test_no_import_circle():
