@@ -323,3 +323,37 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_the_example_workflow_matches_the_nodes():
+    """examples/: the API-format graph gives each ditsp node exactly its inputs, with allowed values (SP 2,
+    deterministic, the shipped model); the UI-format graph is the same graph (links, widget values)."""
+    folder = os.path.join(os.path.dirname(host.__file__), "examples")
+    api = json.load(open(os.path.join(folder, "restore-sp2.api.json")))
+    ui = json.load(open(os.path.join(folder, "restore-sp2.json")))
+    for node in api.values():
+        cls = NODE_CLASS_MAPPINGS.get(node["class_type"])
+        if cls is None:
+            continue
+        spec = cls.INPUT_TYPES()["required"]
+        assert set(node["inputs"]) == set(spec), node["class_type"]
+        for k, v in node["inputs"].items():
+            if isinstance(spec[k][0], list):
+                assert v in spec[k][0], (k, v)
+    up = next(n["inputs"] for n in api.values() if n["class_type"] == "DitspUpscaleSeedVR2")
+    assert up["sp"] == 2 and up["deterministic"] is True
+    assert next(n["inputs"] for n in api.values() if n["class_type"] == "DitspLoadSeedVR2")["model"] == "tiny"
+    assert [n["class_type"] for n in api.values()] == ["LoadVideo", "GetVideoComponents", "DitspLoadSeedVR2",
+                                                      "DitspUpscaleSeedVR2", "CreateVideo", "SaveVideo"]
+    by_id = {n["id"]: n for n in ui["nodes"]}
+    assert {str(i): n["type"] for i, n in by_id.items()} == {i: n["class_type"] for i, n in api.items()}
+    for lid, src, slot, dst, dslot, _ in ui["links"]:
+        name = by_id[dst]["inputs"][dslot]["name"]
+        assert by_id[dst]["inputs"][dslot]["link"] == lid and lid in by_id[src]["outputs"][slot]["links"]
+        assert api[str(dst)]["inputs"][name] == [str(src), slot]
+    for i, n in by_id.items():
+        cls = NODE_CLASS_MAPPINGS.get(n["type"])
+        if cls is not None:
+            widgets = [api[str(i)]["inputs"][k] for k, spec in cls.INPUT_TYPES()["required"].items()
+                       if spec[0] not in ("IMAGE", "DITSP_SEEDVR2")]
+            assert [v for v in n["widgets_values"] if v != "fixed"] == widgets
