@@ -357,3 +357,21 @@ def test_the_example_workflow_matches_the_nodes():
             widgets = [api[str(i)]["inputs"][k] for k, spec in cls.INPUT_TYPES()["required"].items()
                        if spec[0] not in ("IMAGE", "DITSP_SEEDVR2")]
             assert [v for v in n["widgets_values"] if v != "fixed"] == widgets
+
+
+def test_workers_started_inside_comfyui_do_not_rerun_its_main_script(monkeypatch):
+    """A spawned process re-runs its parent's main script first; inside ComfyUI that is ComfyUI's main.py
+    (argument parsing, device set-up, every import). The ranks are started with the main module named
+    ``__main__``, which the spawn skips; the main module is as it was afterwards."""
+    import multiprocessing.spawn
+
+    from ditsp.integrations.comfyui.group import _main_not_rerun
+
+    fake = types.ModuleType("__main__")
+    fake.__file__, fake.__spec__ = "/opt/ComfyUI/main.py", None
+    monkeypatch.setitem(sys.modules, "__main__", fake)
+    assert multiprocessing.spawn.get_preparation_data("x").get("init_main_from_path") == "/opt/ComfyUI/main.py"
+    with _main_not_rerun():
+        d = multiprocessing.spawn.get_preparation_data("x")
+    assert "init_main_from_path" not in d and d["init_main_from_name"] == "__main__"
+    assert fake.__spec__ is None and fake.__file__ == "/opt/ComfyUI/main.py"
