@@ -48,6 +48,31 @@ def test_request_sizing():
     assert request_grid(1280, 720, 1).grid == (1, 45, 80)
 
 
+def test_request_sizing_follows_the_models_vae_and_patch():
+    """The crop multiple, the frame padding and the latent come from the model's VAE and DiT configs."""
+    r = request_grid(66, 48, 6, "tiny")  # the small restorer's VAE: 2x space, no time compression
+    assert (r.crop_width, r.crop_height, r.padded_frames) == (64, 48, 6)
+    assert r.latent == (6, 24, 32) and r.grid == (6, 12, 16)
+    assert r.notes() == ["centre-cropped 66x48 -> 64x48 (multiples of 4)"]
+    r = request_grid(66, 48, 6, "tiny-8x")  # the test vectors' VAE: the released 8x8x4
+    assert r.grid == (3, 3, 4) and r.padded_frames == 9
+    assert r.notes() == ["centre-cropped 66x48 -> 64x48 (multiples of 16)",
+                         "padded 6 -> 9 frames by repeating the last (the causal VAE needs 4n+1)"]
+    assert request_grid(1920, 1080, 80, "seedvr2-7b") == request_grid(1920, 1080, 80)
+
+
+def test_model_is_a_name_of_the_table_and_sizes_the_resolution(capsys):
+    # the released 8x8x4 VAE would make (2, 3, 4) of it; the small restorer's keeps every frame
+    assert run_json(capsys, "--model", "tiny", "--resolution", "64x48", "--frames", "5", "--sp", "2")["grid"] == [5, 12, 16]
+    assert run_json(capsys, "--model", "tiny-8x", "--resolution", "64x48", "--frames", "5", "--sp", "2")["grid"] == [2, 3, 4]
+    assert run_json(capsys, "--model", "small", "--grid", "2,3,4", "--sp", "2")["grid"] == [2, 3, 4]  # hidden, accepted
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "nope", "--grid", "2,3,4", "--sp", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "unknown model 'nope'; choose from tiny, seedvr2-3b, seedvr2-7b" in err
+    assert "small" not in err  # the hidden one is accepted, not offered
+
+
 @pytest.mark.parametrize("args", [
     ["--grid", "21,45"],
     ["--grid", "21,45,80", "--frames", "81"],

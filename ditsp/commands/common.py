@@ -17,7 +17,8 @@ from ..argtypes import (  # noqa: F401 - the argument types live in ditsp.argtyp
     positive_int_list,
 )
 from ..fixed_shape import DEFAULT_DETERMINISTIC
-from ..models.seedvr2.job.sizing import parse_grid, parse_resolution, request_grid
+from ..models.seedvr2.job.sizing import RELEASED_MODEL, parse_grid, parse_resolution, request_grid
+from ..models.seedvr2 import presets
 
 
 def check_planner(parser: argparse.ArgumentParser, name: str, allow_all: bool = False) -> None:
@@ -59,11 +60,30 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--grid", help="post-patch token grid T,H,W (e.g. 21,45,80)")
     g.add_argument("--resolution", help="pixel resolution WIDTHxHEIGHT (with --frames)")
-    p.add_argument("--frames", type=positive_int, help="pixel frames (with --resolution); 4n+1, else padded")
+    p.add_argument("--frames", type=positive_int,
+                   help="pixel frames (with --resolution); padded to the VAE's kn+1 (4n+1 for the released models)")
 
 
-def resolve_grid(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[tuple[int, int, int], list[str]]:
-    """The token grid of a request, and notes on what was cropped or padded."""
+def model_name(text: str) -> str:
+    """``--model``: a model of the table (:mod:`ditsp.models.seedvr2.presets`); the offered ones are listed, the
+    hidden ones accepted."""
+    try:
+        presets.model(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_model_arg(p: argparse.ArgumentParser, default: str, what: str) -> None:
+    """``--model NAME`` of the table of models, ``what`` saying what the command takes from it."""
+    p.add_argument("--model", default=default, type=model_name, metavar="{" + ",".join(presets.OFFERED) + "}",
+                   help=f"the model ({what}; default {default})")
+
+
+def resolve_grid(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                 model: str = RELEASED_MODEL) -> tuple[tuple[int, int, int], list[str]]:
+    """The token grid of a request (``--resolution`` sized by ``model``'s VAE and patch), and notes on what was
+    cropped or padded."""
     try:
         if args.grid:
             if args.frames is not None:
@@ -72,7 +92,7 @@ def resolve_grid(args: argparse.Namespace, parser: argparse.ArgumentParser) -> t
         if args.frames is None:
             parser.error("--resolution needs --frames")
         w, h = parse_resolution(args.resolution)
-        req = request_grid(w, h, args.frames)
+        req = request_grid(w, h, args.frames, model)
         return req.grid, req.notes()
     except ValueError as e:
         parser.error(str(e))

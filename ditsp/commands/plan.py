@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..models.seedvr2.nadit.config import PRESETS, get_config
+from ..models.seedvr2.job.sizing import RELEASED_MODEL
+from ..models.seedvr2.presets import dit_config
 from ..weights.sizing import ESTIMATE_FORMATS
-from .common import (add_plan_limit_args, add_request_args, check_layers, check_output_file, check_plan_size,
-                     check_planner, positive_int, resolve_grid)
+from .common import (add_model_arg, add_plan_limit_args, add_request_args, check_layers, check_output_file,
+                     check_plan_size, check_planner, positive_int, resolve_grid)
 
 REPORT_BYTES_PER_PAIR = 24  # the JSON report's count matrices: a list slot and a few characters per entry
 
@@ -17,7 +18,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan window-aligned SP for one request (no GPU, no model)")
     add_request_args(p)
     p.add_argument("--sp", type=positive_int, required=True, help="sequence-parallel degree")
-    p.add_argument("--model", default="seedvr2-3b", choices=sorted(PRESETS))
+    add_model_arg(p, RELEASED_MODEL, "its DiT is planned; --resolution is sized by its VAE's factors and DiT's patch")
     p.add_argument("--layers", type=positive_int, help="override the model's layer count")
     p.add_argument("--planner", default="lpt", help="window planner (lpt, ...) or 'all' to compare")
     p.add_argument("--weights-dtype", default="bf16", choices=list(ESTIMATE_FORMATS),
@@ -39,8 +40,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     check_layers(parser, args.layers, args.model)
     check_planner(parser, args.planner, allow_all=True)
     check_output_file(parser, args.plot, "--plot")
-    grid, notes = resolve_grid(args, parser)
-    cfg = get_config(args.model, args.layers)
+    grid, notes = resolve_grid(args, parser, args.model)
+    cfg = dit_config(args.model, args.layers)
     planners = planner_names() if args.planner == "all" else [args.planner]
     for name in planners:  # every refusal before any planning
         check_plan_size(parser, args, grid, cfg, args.sp, name, REPORT_BYTES_PER_PAIR)

@@ -1,12 +1,15 @@
-"""From a pixel request to a post-patch token grid, the way the SeedVR2 pipeline does it."""
+"""From a pixel request to a post-patch token grid, the way the SeedVR2 pipeline does it, for one model of
+the table (:mod:`..presets`): its VAE's time and space factors and its DiT's patch, never constants."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-VAE_TEMPORAL = 4
-VAE_SPATIAL = 8
-CROP_MULTIPLE = 16  # DivisibleCrop((16, 16))
+from ..pipeline.padding import padded_length
+from ..pipeline.sizing import frame_geometry
+from ..presets import dit_config, vae_config
+
+RELEASED_MODEL = "seedvr2-3b"  # what a request is sized for when no model is named: the released pipeline
 
 
 @dataclass(frozen=True)
@@ -20,19 +23,21 @@ class Request:
     crop_height: int
     padded_frames: int
     latent: tuple[int, int, int]  # (T', H', W') after the VAE
-    grid: tuple[int, int, int]  # (T, H, W) after the 1x2x2 patchify
+    grid: tuple[int, int, int]  # (T, H, W) after the DiT's patchify
+    multiple: int  # the crop's: the VAE's space factor times the DiT's patch (16 for the released models)
+    temporal_factor: int  # the VAE's: frames are padded to kn + 1 (4n + 1 for the released models)
 
     def notes(self) -> list[str]:
         out = []
         if (self.crop_width, self.crop_height) != (self.width, self.height):
             out.append(
                 f"centre-cropped {self.width}x{self.height} -> {self.crop_width}x{self.crop_height} "
-                f"(multiples of {CROP_MULTIPLE})"
+                f"(multiples of {self.multiple})"
             )
         if self.padded_frames != self.frames:
             out.append(
                 f"padded {self.frames} -> {self.padded_frames} frames by repeating the last "
-                f"(the causal VAE needs 4n+1)"
+                f"(the causal VAE needs {self.temporal_factor}n+1)"
             )
         return out
 
@@ -48,22 +53,26 @@ def parse_resolution(text: str) -> tuple[int, int]:
     return w, h
 
 
-def request_grid(width: int, height: int, frames: int, patch: tuple[int, int, int] = (1, 2, 2)) -> Request:
-    """Crop to multiples of 16, pad frames to 4n+1, VAE 4x/8x8, patchify.
+def request_grid(width: int, height: int, frames: int, model: str = RELEASED_MODEL) -> Request:
+    """The grid of a ``width x height``, ``frames`` request to ``model``: centre-crop to multiples of the VAE's
+    space factor times the DiT's patch, pad frames to kn + 1 (k: the VAE's time factor), the VAE's latent, the
+    DiT's patchify (the released models: crop to 16, 4n + 1 frames, VAE 4x and 8x8, patch 1x2x2).
 
-    Frames are padded to 4n+1 only; the reference also pads to a multiple of
-    4*SP, which makes its output depend on the SP degree. ditsp does not.
+    Frames are padded to kn + 1 only; the reference also pads to a multiple of
+    k*SP, which makes its output depend on the SP degree. ditsp does not.
     """
     if frames < 1:
         raise ValueError(f"frames must be >= 1, got {frames}")
-    cw, ch = width // CROP_MULTIPLE * CROP_MULTIPLE, height // CROP_MULTIPLE * CROP_MULTIPLE
-    if cw == 0 or ch == 0:
-        raise ValueError(f"{width}x{height} is smaller than one {CROP_MULTIPLE}x{CROP_MULTIPLE} block")
-    padded = frames + (-(frames - 1)) % VAE_TEMPORAL
-    latent = ((padded - 1) // VAE_TEMPORAL + 1, ch // VAE_SPATIAL, cw // VAE_SPATIAL)
-    pt, ph, pw = patch
+    vae, (pt, ph, pw) = vae_config(model), dit_config(model).patch_size
+    multiple = vae.spatial_factor * max(ph, pw)  # as the restoration crops (job/plan.py)
+    if width < multiple or height < multiple:
+        raise ValueError(f"{width}x{height} is smaller than one {multiple}x{multiple} block")
+    geo = frame_geometry(width, height, multiple=multiple)
+    padded = padded_length(frames, vae.temporal_factor)
+    latent = vae.latent_shape(padded, *geo.out_hw)
     grid = (latent[0] // pt, latent[1] // ph, latent[2] // pw)
-    return Request(width, height, frames, cw, ch, padded, latent, grid)
+    return Request(width, height, frames, geo.out_width, geo.out_height, padded, latent, grid, multiple,
+                   vae.temporal_factor)
 
 
 def parse_grid(text: str) -> tuple[int, int, int]:
