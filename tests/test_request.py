@@ -1,4 +1,4 @@
-"""The restoration request (ditsp/models/seedvr2/request.py): every list pinned to its owner, both front doors
+"""The restoration request (ditsp/models/seedvr2/job/request.py): every list pinned to its owner, both front doors
 offer exactly what it accepts, and every writable format works end to end."""
 
 from __future__ import annotations

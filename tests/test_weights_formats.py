@@ -4,7 +4,7 @@ naming rules; kept quantized on the rank, dequantized per layer; strict names; S
 
 Two comparisons per format: against the same model with the *dequantized* weights in float (the
 per-layer mechanism itself: fp32 rounding only, 1e-5) and against the float source (the
-quantization's error, bounded at about twice what it measures here; README "weights").
+quantization's error, bounded at about twice what it measures here; docs/performance.md).
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="also restore on one device (to a temporary file) and report whether the frames match")
     p.add_argument("--reference", metavar="CLEAN", help="clean video/image/frame folder of the output's size: "
-                                                         "PSNR and SSIM of the restored frames and of bicubic (#27)")
+                                                         "PSNR and SSIM of the restored frames and of bicubic")
     p.add_argument("--json", action="store_true", help="print one JSON report")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=main)

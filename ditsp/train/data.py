@@ -1,4 +1,4 @@
-"""(degraded, clean) clip pairs for restoration training, from scikit-image's bundled photographs.
+"""(degraded, clean) clip pairs for restoration training, from the pictures the installed packages ship.
 
 A clean clip is a crop of a photograph panned a few pixels per frame (motion
 without a video corpus). Its degraded twin goes through the chain

@@ -119,7 +119,7 @@ class NaDiTConfig:
 
 
 SEEDVR2_3B = NaDiTConfig()
-# The structure of the reference vectors in shared/vectors/nadit-3b-tiny.
+# The structure of the reference vectors in tests/data/nadit-3b-tiny.
 TINY = NaDiTConfig(
     name="tiny", vid_dim=96, heads=3, head_dim=32, num_layers=4, mm_layers=2, mlp_hidden=256, rope_dim=32, txt_len=11
 )
@@ -134,7 +134,7 @@ SEEDVR2_7B = NaDiTConfig(
     name="seedvr2-7b", variant="7b", vid_dim=3072, heads=24, head_dim=128, num_layers=36, mm_layers=36,
     mlp_hidden=4 * 3072, rope_dim=64,
 )
-# The structure of the reference vectors in shared/vectors/nadit-7b-tiny (12 of 32 channels rotated).
+# The structure of the reference vectors in tests/data/nadit-7b-tiny (12 of 32 channels rotated).
 TINY_7B = NaDiTConfig(
     name="tiny-7b", variant="7b", vid_dim=96, heads=3, head_dim=32, num_layers=4, mm_layers=4, mlp_hidden=384,
     rope_dim=16, txt_len=11,
