@@ -23,9 +23,10 @@ from dataclasses import asdict, dataclass
 from ..pipeline.padding import padded_length
 from ..pipeline.sizing import FrameGeometry, frame_geometry
 from ..pipeline.windows import WindowPlan, plan_windows
-from ..presets import dit_config, vae_config
+from ..presets import vae_config
 from ..vae.modes import AUTO
 from .budget import Estimate, GiB, choose_vae_mode, estimate
+from .sizing import clip_grid, crop_multiple
 
 
 @dataclass(frozen=True)
@@ -92,12 +93,10 @@ def build(*, model: str, dtype: str, in_width: int, in_height: int, frames: int,
     """The plan of one restoration (``area``/``size``: the output as ``frame_geometry`` takes them; ``weights``:
     the DiT's weights as kept, :func:`.weight_memory.dit_weights`). ValueError (one line) for what cannot
     run; the memory estimate is advice, held against ``budget`` by the request's check."""
-    vae, dit = vae_config(model), dit_config(model)
-    _, ph, pw = dit.patch_size
-    geo = frame_geometry(in_width, in_height, area=area, size=size, multiple=vae.spatial_factor * max(ph, pw))
-    if geo.out_width < vae.spatial_factor * pw or geo.out_height < vae.spatial_factor * ph:
-        raise ValueError(f"{geo.describe()}: the output is smaller than one {vae.spatial_factor * pw}x"
-                         f"{vae.spatial_factor * ph} block after the crop")
+    vae, multiple = vae_config(model), crop_multiple(model)
+    geo = frame_geometry(in_width, in_height, area=area, size=size, multiple=multiple)
+    if geo.out_width < multiple or geo.out_height < multiple:
+        raise ValueError(f"{geo.describe()}: the output is smaller than one {multiple}x{multiple} block after the crop")
     k = vae.temporal_factor
     window = min(window_frames or padded_length(frames, k), padded_length(frames, k))
     windows = plan_windows(frames, window, min(overlap, window - 1), seed, temporal_factor=k)
@@ -106,14 +105,10 @@ def build(*, model: str, dtype: str, in_width: int, in_height: int, frames: int,
     left = budget - (est.total - est.vae)  # what the VAE may use after everything else the rank holds
     steps = []
     for w in windows:
-        padded = padded_length(w.length, k)
-        latent = vae.latent_shape(padded, *geo.out_hw)
-        if latent[1] % ph or latent[2] % pw:
-            raise ValueError(f"latent {latent} does not divide by the DiT's patch {dit.patch_size}")
+        padded, latent, grid = clip_grid(model, w.length, geo.out_hw)
         mode, why = choose_vae_mode(model, dtype, (padded, *geo.out_hw), sp, vae_mode, left, vae_chunk,
                                     winograd_filters=winograd_filters, vae_backend=vae_backend)
-        steps.append(WindowStep(w.index, w.start, w.stop, w.seed, padded, latent,
-                                (latent[0], latent[1] // ph, latent[2] // pw), mode, why))
+        steps.append(WindowStep(w.index, w.start, w.stop, w.seed, padded, latent, grid, mode, why))
     return RestorationPlan(model, sp, frames, geo, windows, tuple(steps), planner, deterministic, vae_chunk, est,
                            budget)
 

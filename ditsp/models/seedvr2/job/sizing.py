@@ -53,6 +53,23 @@ def parse_resolution(text: str) -> tuple[int, int]:
     return w, h
 
 
+def crop_multiple(model: str) -> int:
+    """What a frame is centre-cropped to multiples of: the VAE's space factor times the DiT's patch."""
+    _, ph, pw = dit_config(model).patch_size
+    return vae_config(model).spatial_factor * max(ph, pw)
+
+
+def clip_grid(model: str, frames: int, out_hw: tuple[int, int]) -> tuple[int, tuple[int, int, int], tuple[int, int, int]]:
+    """(padded frames, latent (t, h, w), DiT token grid) of ``frames`` frames cropped to ``out_hw`` (the one
+    computation of both; the restoration's plan and `ditsp plan` use it)."""
+    vae, (pt, ph, pw) = vae_config(model), dit_config(model).patch_size
+    padded = padded_length(frames, vae.temporal_factor)
+    latent = vae.latent_shape(padded, *out_hw)
+    if latent[0] % pt or latent[1] % ph or latent[2] % pw:
+        raise ValueError(f"latent {latent} does not divide by the DiT's patch {(pt, ph, pw)}")
+    return padded, latent, (latent[0] // pt, latent[1] // ph, latent[2] // pw)
+
+
 def request_grid(width: int, height: int, frames: int, model: str = RELEASED_MODEL) -> Request:
     """The grid of a ``width x height``, ``frames`` request to ``model``: centre-crop to multiples of the VAE's
     space factor times the DiT's patch, pad frames to kn + 1 (k: the VAE's time factor), the VAE's latent, the
@@ -63,16 +80,13 @@ def request_grid(width: int, height: int, frames: int, model: str = RELEASED_MOD
     """
     if frames < 1:
         raise ValueError(f"frames must be >= 1, got {frames}")
-    vae, (pt, ph, pw) = vae_config(model), dit_config(model).patch_size
-    multiple = vae.spatial_factor * max(ph, pw)  # as the restoration crops (job/plan.py)
+    multiple = crop_multiple(model)
     if width < multiple or height < multiple:
         raise ValueError(f"{width}x{height} is smaller than one {multiple}x{multiple} block")
     geo = frame_geometry(width, height, multiple=multiple)
-    padded = padded_length(frames, vae.temporal_factor)
-    latent = vae.latent_shape(padded, *geo.out_hw)
-    grid = (latent[0] // pt, latent[1] // ph, latent[2] // pw)
+    padded, latent, grid = clip_grid(model, frames, geo.out_hw)
     return Request(width, height, frames, geo.out_width, geo.out_height, padded, latent, grid, multiple,
-                   vae.temporal_factor)
+                   vae_config(model).temporal_factor)
 
 
 def parse_grid(text: str) -> tuple[int, int, int]:
