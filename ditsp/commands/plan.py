@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..models.gpus import NAMES as GPU_NAMES
+from ..models.gpus import gpu as gpu_row
 from ..models.seedvr2.job.sizing import RELEASED_MODEL
 from ..models.seedvr2.presets import dit_config
 from ..weights.sizing import ESTIMATE_FORMATS
@@ -12,6 +14,14 @@ from .common import (add_model_arg, add_plan_limit_args, add_request_args, check
                      check_plan_size, check_planner, positive_int, resolve_grid)
 
 REPORT_BYTES_PER_PAIR = 24  # the JSON report's count matrices: a list slot and a few characters per entry
+
+
+def gpu_name(text: str) -> str:
+    """``--gpu``: a row of the GPU table (:mod:`ditsp.models.gpus`)."""
+    try:
+        return gpu_row(text).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -27,6 +37,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--compact", action="store_true", help="JSON on one line")
     p.add_argument("--plot", metavar="FILE.png", help="write a picture of the plan")
+    p.add_argument("--gpu", type=gpu_name, metavar="{" + ",".join(GPU_NAMES) + "}",
+                   help="size the job on this GPU at SP 1-8 and --sp: per-rank memory, modelled stage times, the "
+                        "smallest degree and VAE mode that fit (a model until a GPU measurement calibrates it); "
+                        "with --plot, also FILE-gpu.png")
     add_plan_limit_args(p)
     p.set_defaults(func=main)
     return p
@@ -58,13 +72,20 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 parser.error(str(e))
             schedules.append(schedule)
             summaries.append(summarize(schedule, cfg, weights))
+        sizing = _gpu_sizing(args, parser, grid, cfg) if args.gpu else None
     if args.json:
         out = summaries[0] if len(summaries) == 1 else {s["planner"]: s for s in summaries}
         if notes:
             (out if len(summaries) == 1 else out).setdefault("notes", notes)
+        if sizing:
+            out["gpu"] = sizing
         print(json.dumps(out, indent=None if args.compact else 2))
     else:
         print("\n\n".join(format_summary(s, notes) for s in summaries))
+        if sizing:
+            from ..models.seedvr2.job.gpu_sizing import format_sizing
+
+            print("\n" + format_sizing(sizing))
     if args.plot:
         from ..windows.viz import plot_schedule
 
@@ -73,4 +94,23 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             plot_schedule(schedule, path)
             if not args.json:
                 print(f"wrote {path}")
+        if sizing:
+            from ..models.seedvr2.job.gpu_sizing import plot_sizing
+
+            path = args.plot.replace(".png", "-gpu.png")
+            plot_sizing(sizing, path)
+            if not args.json:
+                print(f"wrote {path}")
     return 0
+
+
+def _gpu_sizing(args: argparse.Namespace, parser: argparse.ArgumentParser, grid, cfg) -> dict:
+    """The ``--gpu`` sizing at SP 1-8 and ``--sp`` (the lpt planner under ``--planner all``), every degree's
+    planning size checked first."""
+    from ..models.seedvr2.job.gpu_sizing import DEGREES, size
+
+    planner = "lpt" if args.planner == "all" else args.planner
+    degrees = sorted(set(DEGREES) | {args.sp})
+    for sp in degrees:
+        check_plan_size(parser, args, grid, cfg, sp, planner)
+    return size(args.model, grid, gpu_row(args.gpu), planner, degrees, args.weights_dtype, args.layers)
