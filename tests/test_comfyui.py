@@ -139,7 +139,7 @@ def test_the_nodes_follow_comfyuis_contract(comfy):
         assert callable(getattr(cls, cls.FUNCTION)) and cls.CATEGORY == "ditsp/SeedVR2"
         assert len(cls.RETURN_TYPES) == len(cls.RETURN_NAMES)
     load = LoadSeedVR2.INPUT_TYPES()["required"]
-    assert LoadSeedVR2.RETURN_TYPES == ("DITSP_SEEDVR2",)
+    assert LoadSeedVR2.RETURN_TYPES == ("SEEDVR2_DITSP",)
     assert load["model"][0] == list(request.MODELS) and load["model"][1]["default"] == request.default("model")
     assert load["dit"][0] == [host.NONE, "seedvr2_ema_3b_fp8_e4m3fn.safetensors"]  # ComfyUI's models folder
     assert load["vae"][0] == [host.NONE]
@@ -148,7 +148,7 @@ def test_the_nodes_follow_comfyuis_contract(comfy):
     assert load["threads"][1]["default"] == request.default("threads")
     up = UpscaleSeedVR2.INPUT_TYPES()["required"]
     assert UpscaleSeedVR2.RETURN_TYPES == ("IMAGE",)
-    assert up["model"] == ("DITSP_SEEDVR2",) and up["images"] == ("IMAGE",)
+    assert up["model"] == ("SEEDVR2_DITSP",) and up["images"] == ("IMAGE",)
     assert set(up) == {"model", "images", "sp", *OPTIONS}
     assert up["color_fix"][0] == list(request.COLOR_FIXES) and up["vae_mode"][0] == list(request.VAE_MODES)
     for name in ("seed", "color_fix", "window_frames", "overlap", "sp", "vae_mode", "deterministic", "force"):
@@ -355,7 +355,7 @@ def test_the_example_workflow_matches_the_nodes():
         cls = NODE_CLASS_MAPPINGS.get(n["type"])
         if cls is not None:
             widgets = [api[str(i)]["inputs"][k] for k, spec in cls.INPUT_TYPES()["required"].items()
-                       if spec[0] not in ("IMAGE", "DITSP_SEEDVR2")]
+                       if spec[0] not in ("IMAGE", "SEEDVR2_DITSP")]
             assert [v for v in n["widgets_values"] if v != "fixed"] == widgets
 
 

@@ -29,7 +29,7 @@ from .frames import to_frames, to_images
 from .group import Interrupted, RankGroup
 
 CATEGORY = "ditsp/SeedVR2"
-MODEL = "DITSP_SEEDVR2"  # the loader's output type
+MODEL = "SEEDVR2_DITSP"  # the loader's output type
 GiB = 2**30
 _d = request.default
 
