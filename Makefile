@@ -36,7 +36,7 @@ run: $(STAMP)
 # CPU core (the training runs one compute thread).
 TINY_SEED ?= 0
 TINY_VAE_STEPS ?= 2000
-TINY_DIT_STEPS ?= 600
+TINY_DIT_STEPS ?= 300
 TINY_OUT ?= out/train-tiny
 TINY_SHIPPED := ditsp/models/seedvr2/trained/tiny
 train-tiny: $(STAMP)
