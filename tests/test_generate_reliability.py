@@ -16,6 +16,7 @@ pytest.importorskip("diffusers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from ditsp.cli import main  # noqa: E402
+from .cli_errors import fails  # noqa: E402
 from ditsp.integrations.diffusers import ParallelizeError  # noqa: E402
 from ditsp.integrations.diffusers import generate as gen  # noqa: E402
 
@@ -49,16 +50,6 @@ def argv(folder, out, *extra, embeds=None):
             "--size", "48x32", "--frames", "9", "--steps", "2", "--no-progress", *extra]
 
 
-def fails(capsys, args, code) -> str:
-    """Run the CLI, expect exit ``code``, return stderr's one error line (no traceback)."""
-    try:
-        rc = main(args)
-    except SystemExit as e:
-        rc = e.code
-    assert rc == code
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert lines and "Traceback" not in "\n".join(lines)
-    return lines[-1]
 
 
 class One:

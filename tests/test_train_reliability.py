@@ -15,25 +15,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ditsp.cli import main
 from ditsp.train import checkpoint as ckpt
 from ditsp.train.loop import TrainConfig, Trainer
+
+from .cli_errors import fails
 
 pytestmark = pytest.mark.timeout(300)
 
 TRAIN = ["train", "--frames", "1", "--size", "32x32", "--batch", "1", "--no-progress"]
 
 
-def fails(capsys, args, code) -> str:
-    """Run the CLI, expect exit ``code``, return stderr's one error line (no traceback)."""
-    try:
-        rc = main(args)
-    except SystemExit as e:
-        rc = e.code
-    assert rc == code
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert lines and "Traceback" not in "\n".join(lines)
-    return lines[-1]
 
 
 @pytest.fixture
