@@ -271,7 +271,8 @@ def test_an_interrupt_stops_the_ranks_mid_job(comfy, loaded, clip):
     rank 0's progress stays short of the end, ComfyUI's own exception is raised and its flag cleared, and
     no rank computes on: each is gone or idle, and the next prompt runs on the group."""
     images = _images(clip)
-    opts = {**OPTIONS, "window_frames": 1, "overlap": 0}  # five windows: twenty steps to interrupt
+    long = torch.cat([images] * 16)  # 80 one-frame windows: 320 steps, far more than the ranks run between two
+    opts = {**OPTIONS, "window_frames": 1, "overlap": 0}  # of the host's looks at the flag (about 0.5 s apart)
     comfy.utils.updates.clear()
     real = comfy.utils.ProgressBar
 
@@ -283,13 +284,13 @@ def test_an_interrupt_stops_the_ranks_mid_job(comfy, loaded, clip):
     comfy.utils.ProgressBar = Interrupting
     try:
         with pytest.raises(_Interrupt):
-            UpscaleSeedVR2().upscale(loaded, images, sp=2, **opts)
+            UpscaleSeedVR2().upscale(loaded, long, sp=2, **opts)
     finally:
         comfy.utils.ProgressBar = real
     assert comfy.mm.flag == [False]
-    assert comfy.utils.updates and comfy.utils.updates[-1][1] == 20
+    assert comfy.utils.updates and comfy.utils.updates[-1][1] == 320
     workers = loaded.group.workers
-    assert workers and workers[0].progress[0] < 20  # rank 0 stopped short of the end
+    assert workers and workers[0].progress[0] < 320  # rank 0 stopped short of the end
     _, errors, _ = call(workers, "ping", [{}] * len(workers), 60.0)  # out of the job: each answers at once
     assert not errors
     (out,) = UpscaleSeedVR2().upscale(loaded, images, sp=2, **opts)
