@@ -97,6 +97,10 @@ def test_weights_that_fail_to_load_stop_the_server_in_one_line(tmp_path, nan_dit
     assert "NaN" in lines[-1] or "non-finite" in lines[-1], lines[-1]
     assert "Traceback" not in err, err[-3000:]
     assert 1 <= len(seen) <= 2, seen  # the one worker (and multiprocessing's resource tracker): none respawned
+    for _ in range(150):  # a child notices its parent's end on its own (the resource tracker by its pipe): 15 s
+        if not [q for q in seen if alive(q)]:
+            break
+        __import__("time").sleep(0.1)
     assert not [q for q in seen if alive(q)]
 
 
