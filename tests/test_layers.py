@@ -14,7 +14,7 @@ LAYERS = (
     ("cli",),
     ("commands", "comfyui"),  # front doors (the ComfyUI nodes run jobs on the server's persistent workers)
     ("bench",),  # benchmarks run the server and the jobs
-    ("serve", "train"),  # front doors' back ends: a persistent SP group, training under SP
+    ("serve", "train", "rl"),  # front doors' back ends: a persistent SP group, training and RL post-training under SP
     ("argtypes", "fixed_shape_probe"),  # front-door helpers: shared argument types, the doctor's probe of model kernels
     ("models", "integrations"),
     ("sp", "attention"),
