@@ -133,15 +133,16 @@ def check_local_ranks(n: int, what: str = "--sp") -> None:
                          f"(--force does not override this)")
 
 
-def check_local_cores(n: int, threads: int = 1, what: str = "--sp") -> str | None:
-    """For ``n`` local ranks of ``threads`` compute threads: ValueError (one line) past
+def check_local_cores(n: int, threads: int = 1, what: str = "--sp",
+                      remedy: str = "use fewer ranks, or torchrun across machines") -> str | None:
+    """For ``n`` local ranks of ``threads`` compute threads: ValueError (one line, ending in ``remedy``) past
     :data:`RANKS_PER_CORE_LIMIT` ranks per CPU core; else the warning to print when they oversubscribe the
-    cores (None when they fit)."""
+    cores (None when they fit). The one home of this check for every command that starts local ranks."""
     cores = os.cpu_count() or 1
     plural = "s" if cores > 1 else ""
     if n > RANKS_PER_CORE_LIMIT * cores:
         raise ValueError(f"{what} {n}: {n} local ranks on {cores} CPU core{plural} (more than {RANKS_PER_CORE_LIMIT} "
-                         f"per core); use fewer ranks, or torchrun across machines")
+                         f"per core); {remedy}")
     if n > 1 and n * threads > cores:
         return (f"{n} ranks x {threads} thread{'s' if threads > 1 else ''} on {cores} CPU core{plural}: "
                 f"oversubscribed, it will be slow")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ditsp.cli import main
 
 
-def fails(capsys, args, code) -> str:
+def fails(capsys, args, code=2) -> str:
     """Run the CLI, expect exit ``code``, return stderr's one error line (no traceback)."""
     try:
         rc = main(args)

@@ -11,19 +11,11 @@ from ditsp.cli import main
 from ditsp.commands import run as run_cmd
 from ditsp.memory import available_bytes
 
+from .cli_errors import fails
+
 pytestmark = pytest.mark.timeout(120)
 
 RUN = ["run", "--model", "tiny", "--grid", "5,20,36"]
-
-
-def fails(capsys, argv, code=2) -> str:
-    """Run the CLI, expect ``code``, return the last stderr line (the error)."""
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == code
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert lines and "Traceback" not in "\n".join(lines)
-    return lines[-1]
 
 
 @pytest.fixture

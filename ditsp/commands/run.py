@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..argtypes import timeout_seconds
 from ..dtypes import DTYPES
-from ..memory import RANK_BASE_BYTES, RANKS_PER_CORE_LIMIT
+from ..memory import RANK_BASE_BYTES
 from ..weights.fp8 import WEIGHTS_DTYPES
 from ..models.seedvr2.nadit.config import PRESETS
 from .common import (add_compile_arg, add_deterministic_arg, add_plan_limit_args, add_request_args, check_layers, check_plan_size, check_planner,
@@ -113,14 +113,13 @@ def check_resources(parser: argparse.ArgumentParser, args: argparse.Namespace, c
     """Refuse (one line) a run whose modelled memory per rank exceeds what one rank can use, or with
     far more local ranks than CPU cores; warn (one line) when threads oversubscribe the cores."""
     from ..distributed.torchrun import under_torchrun
-    from ..memory import available_bytes
+    from ..memory import available_bytes, check_local_cores
 
     torchrun = under_torchrun()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", args.sp)) if torchrun else args.sp
     spawned = local > 1 and not torchrun
     est = estimate_rank_memory(cfg, args.dtype, grid, args.sp, args.checkpoint, plan_bytes, spawned, args.check,
                                None if args.weights_dtype == "stored" else args.weights_dtype)
-    cores = os.cpu_count() or 1
     if args.force:
         if spawned:
             from ..memory import check_local_ranks
@@ -140,13 +139,13 @@ def check_resources(parser: argparse.ArgumentParser, args: argparse.Namespace, c
         parser.error(f"not enough memory: the run needs about {est.describe()}{extra}, but {source} is "
                      f"{budget / GiB:.2f} GiB (spread the ranks over more machines, use --dtype bf16 or fewer "
                      f"--layers; --max-memory GiB or --force overrides)")
-    if local > RANKS_PER_CORE_LIMIT * cores:
-        parser.error(f"{local} local ranks on {cores} CPU core{'s' if cores > 1 else ''} (more than "
-                     f"{RANKS_PER_CORE_LIMIT} per core); use fewer ranks, or --force to start them anyway")
-    if local * args.threads > cores:
-        print(f"ditsp run: warning: {local} rank{'s' if local > 1 else ''} x {args.threads} thread"
-              f"{'s' if args.threads > 1 else ''} on {cores} CPU core{'s' if cores > 1 else ''}: "
-              f"oversubscribed, timings will be slow", file=sys.stderr)
+    try:
+        warning = check_local_cores(local, args.threads, what="--sp",
+                                    remedy="use fewer ranks, or --force to start them anyway")
+    except ValueError as e:
+        parser.error(str(e))
+    if warning:
+        print(f"ditsp run: warning: {warning}", file=sys.stderr)
 
 
 def _one_line(message: str) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import asdict
 
@@ -77,19 +76,15 @@ def check_local(parser, n: int) -> None:
     """Refuse (one line) ``n`` local ranks this machine cannot hold, before any starts: their processes'
     memory (:func:`ditsp.memory.check_local_ranks`, as `upscale` and `run`) or more than
     :data:`~ditsp.memory.RANKS_PER_CORE_LIMIT` per CPU core; warn when they outnumber the cores."""
-    from ..memory import RANKS_PER_CORE_LIMIT, check_local_ranks
+    from ..memory import check_local_cores, check_local_ranks
 
     try:
         check_local_ranks(n)
+        warning = check_local_cores(n)
     except ValueError as e:
         parser.error(str(e))
-    cores = os.cpu_count() or 1
-    if n > RANKS_PER_CORE_LIMIT * cores:
-        parser.error(f"--sp {n}: {n} local ranks on {cores} CPU core{'s' if cores > 1 else ''} (more than "
-                     f"{RANKS_PER_CORE_LIMIT} per core); use fewer ranks, or torchrun across machines")
-    if n > cores:
-        print(f"ditsp train: warning: {n} ranks on {cores} CPU core{'s' if cores > 1 else ''}: oversubscribed, "
-              f"steps will be slow", file=sys.stderr)
+    if warning:
+        print(f"ditsp train: warning: {warning}", file=sys.stderr)
 
 
 def run(args, parser) -> int:

@@ -75,8 +75,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from ..cpu import malloc as cpu_malloc
 from ..memory import check_local_ranks
-import ctypes
 from .heartbeat import Progress, install
+from .parent_death import arm_parent_death_signal
 
 LOOPBACK = "127.0.0.1"
 _START_S = 60.0  # the no-progress window's floor at start-up and while a rank imports the call's module
@@ -210,12 +210,8 @@ def die_with_parent(parent_pid: int) -> None:
 
     ``DITSP_NO_PDEATHSIG=1`` leaves the kernel signal out (tests of the watchdog alone).
     """
-    if sys.platform.startswith("linux") and os.environ.get("DITSP_NO_PDEATHSIG") != "1":
-        try:
-            pr_set_pdeathsig = 1
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass  # the watchdog below still covers it
+    if os.environ.get("DITSP_NO_PDEATHSIG") != "1":
+        arm_parent_death_signal()  # where it cannot, the watchdog below covers it
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         _kill_self()
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="ditsp-parent-watchdog", daemon=True).start()
