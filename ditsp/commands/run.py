@@ -174,7 +174,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         check_planner(parser, args.planner)
     if args.checkpoint and not os.path.isfile(args.checkpoint):
         parser.error(f"--checkpoint {args.checkpoint}: no such file")
-    grid, notes = resolve_grid(args, parser)
+    grid, notes = resolve_grid(args, parser)  # sized as the released pipeline: run measures a DiT alone
     cfg = get_config(args.model, args.layers)
     if args.offload_blocks > cfg.num_layers:
         parser.error(f"--offload-blocks {args.offload_blocks}: the model has {cfg.num_layers} blocks")
