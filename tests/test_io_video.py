@@ -29,7 +29,7 @@ from ditsp.io import (
     write_video,
 )
 from ditsp.io.testclip import make_test_clip, scene_frames
-from ditsp.models.seedvr2.pipeline.windows import seam_metric
+from ditsp.models.seedvr2.pipeline.seams import seam_measure
 
 W, H, T = 64, 48, 17
 
@@ -283,8 +283,8 @@ def test_seam_metric_on_the_test_clip():
     frames = scene_frames(12, 32, 32)
     assert torch.equal(frames, scene_frames(12, 32, 32))  # deterministic
     spliced = torch.cat([frames[:6], 255 - frames[6:]])  # a hard cut after frame 5
-    m = seam_metric(spliced, [6])
-    assert m["ratio"] > 3
+    m = seam_measure(spliced, [(6, 7)])
+    assert m["ratio"] > 3 and m["each"][0]["frames"] == [5, 6]
 
 
 def test_testclip_command(tmp_path):
@@ -325,8 +325,8 @@ def test_windowed_identity_restoration_end_to_end(clip, tmp_path):
     blender.flush()
     got = probe(out)
     assert (got.width, got.height, got.frames, got.has_audio) == (96, 64, T, True)
-    m = seam_metric(torch.cat(list(read_video(out))), plan.seam_transitions())
-    assert m["ratio"] < 2
+    m = seam_measure(torch.cat(list(read_video(out))), plan.seams())
+    assert m["ratio"] < 2 and len(m["each"]) == len(plan) - 1
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root can write anywhere")

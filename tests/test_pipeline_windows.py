@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,7 +15,6 @@ from ditsp.models.seedvr2.pipeline.windows import (
     frame_weights,
     plan_windows,
     ramp_down,
-    seam_metric,
 )
 
 
@@ -115,12 +116,53 @@ def test_single_window_and_errors():
         b.flush()
 
 
-def test_seam_metric_finds_a_hard_cut():
-    t = torch.arange(20, dtype=torch.float32).reshape(20, 1, 1, 1).expand(20, 4, 4, 3).clone()
-    t[10:] += 50  # a jump between frame 9 and 10
-    m = seam_metric(t, [10])
-    assert m["seam"] == pytest.approx(51) and m["inside"] == pytest.approx(1) and m["ratio"] == pytest.approx(51)
-    plan = plan_windows(30, 9, 4)
-    assert all(0 < t < 30 for t in plan.seam_transitions())
-    smooth = seam_metric(torch.arange(30.0).reshape(30, 1), plan.seam_transitions())
-    assert smooth["ratio"] == pytest.approx(1.0)
+@settings(max_examples=200, deadline=None)
+@given(plans(), st.sampled_from(["cosine", "hann"]))
+def test_every_pixel_stitch_weighs_each_frame_to_one(plan, stitch):
+    from dataclasses import replace
+
+    m = frame_weights(replace(plan, stitch=stitch))
+    assert torch.allclose(m.sum(0), torch.ones(plan.frames, dtype=torch.float64))
+    assert (m >= 0).all()
+
+
+def test_hann_is_the_normalised_overlap_add_of_whole_window_hann_weights():
+    """Two windows of 9 frames sharing 4: in the overlap, the earlier window weighs its Hann value over the sum."""
+    plan = plan_windows(14, 9, 4, stitch="hann")
+    assert [(w.start, w.stop) for w in plan] == [(0, 9), (5, 14)]
+    w0 = plan.weights(0)
+    for k in range(4):  # frame 5 + k: the earlier window's frame 5 + k, the later one's frame k
+        a, b = math.sin(math.pi * (5 + k + 0.5) / 9) ** 2, math.sin(math.pi * (k + 0.5) / 9) ** 2
+        assert w0[5 + k].item() == pytest.approx(a / (a + b))
+    assert (w0[:5] == 1).all()  # a frame only one window covers takes it whole
+    cos = plan_windows(14, 9, 4).weights(0)
+    assert w0[5] > cos[5] and w0[8] < cos[8]  # flatter at the ends of the overlap than the raised cosine
+    assert not torch.equal(w0, cos)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 8), st.integers(0, 40), st.integers(1, 200))
+def test_latent_stitch_windows_start_on_the_time_factor(logk, n, overlap, frames):
+    k = (1, 2, 4)[logk - 1]
+    window = k * n + 1
+    overlap = min(overlap, window - 1)
+    if (window - overlap) // k < 1 and frames > window:
+        with pytest.raises(ValueError, match="multiples of"):
+            plan_windows(frames, window, overlap, temporal_factor=k, stitch="latent")
+        return
+    plan = plan_windows(frames, window, overlap, temporal_factor=k, stitch="latent")
+    ws = plan.windows
+    assert ws[0].start == 0 and ws[-1].stop == frames and plan.stitch == "latent"
+    for w in ws:
+        assert w.start % k == 0 and w.length <= min(window, frames)
+        assert w.length > min(window, frames) - k  # padded to the same kn+1 as the others
+    for a, b in zip(ws, ws[1:]):
+        assert a.start < b.start and a.stop - b.start >= overlap
+        assert k == 1 or a.stop > b.start  # the later window's first latent frame is covered by the earlier one
+
+
+def test_the_pixel_blender_refuses_the_latent_stitch():
+    with pytest.raises(ValueError, match="latent"):
+        StreamingBlender(plan_windows(30, 9, 4, stitch="latent"))
+    with pytest.raises(ValueError, match="unknown stitch"):
+        plan_windows(30, 9, 4, stitch="feather")

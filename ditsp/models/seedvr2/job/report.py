@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from ..pipeline.seams import format_seams
+
 STAGES = ("read", "vae_encode", "dit", "vae_decode", "color_fix", "write")
 
 
@@ -47,9 +49,7 @@ def format_report(s: dict) -> str:
                      "last frames at the end)")
     lines.append(f"bytes moved (all ranks): {s['bytes_moved'] / 2**20:.2f} MiB; frames sha256 {s['sha256'][:16]}")
     if s.get("seams"):
-        m = s["seams"]
-        lines.append(f"window seams: mean frame-to-frame change {m['seam']:.2f} at boundaries vs {m['inside']:.2f} "
-                     f"inside windows (ratio {m['ratio']:.2f})")
+        lines.append(format_seams(s["seams"]))
     return "\n".join(lines)
 
 

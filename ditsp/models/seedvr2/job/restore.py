@@ -55,8 +55,8 @@ from ....memory import PeakMemory
 from ....windows.ownership import RowOwnership
 from ..parallelize import parallelize
 from ..pipeline import (
+    SeamMeter,
     StreamingBlender,
-    seam_metric_from_steps,
     apply_color_fix,
     decoder_latent,
     dit_input,
@@ -227,8 +227,7 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
     is_image = info.kind == "image"
     rank0 = ctx.rank == 0
     digest = hashlib.sha256()
-    steps: list[float] = []  # mean |frame[k+1] - frame[k]| of the written frames, for the seam measure
-    last_frame = None
+    seams = SeamMeter(windows.seams())  # measured on the written frames as they go
     written = 0
     samples_in, samples_out = [], []
     vae_reports, dit_report = set(), ""
@@ -282,8 +281,7 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
             if ready.shape[0]:
                 out = to_uint8(ready).cpu()
                 digest.update(out.numpy().tobytes())
-                steps += _frame_steps(last_frame, out)
-                last_frame = out[-1]
+                seams.add(out)
                 if len(samples_out) < req.sample_frames:
                     k = min(req.sample_frames - len(samples_out), out.shape[0])
                     idx = torch.linspace(0, out.shape[0] - 1, k).round().long()
@@ -334,7 +332,7 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
             "geometry": geo.describe(), "output_size": [geo.out_width, geo.out_height],
             "windows": [[w.start, w.stop] for w in plan.steps], "dit_path": dit_report, "media_notes": media_notes,
             "vae_modes": sorted(vae_reports), "sha256": digest.hexdigest(), "timeline": st.timeline,
-            "seams": seam_metric_from_steps(steps, windows.seam_transitions()) if len(windows) > 1 and steps else None,
+            "seams": seams.report(),
             "samples": (torch.stack(samples_in), torch.stack(samples_out)) if samples_out else None,
         })
         if kept is not None:
@@ -463,14 +461,6 @@ def _rows_to_rank0(link: Transport, video: torch.Tensor, counts: list[int]) -> t
     got = link.all_to_all(rows, [rows.shape[0] if d == 0 else 0 for d in range(n)],
                           counts if me == 0 else [0] * n, "decode_to_writer", key=key)
     return got.movedim(0, 3) if me == 0 else None
-
-
-def _frame_steps(last: torch.Tensor | None, frames: torch.Tensor) -> list[float]:
-    """Mean absolute change of each step into ``frames`` (uint8), starting from the previous chunk's last frame."""
-    x = frames.double() if last is None else torch.cat([last[None], frames]).double()
-    if x.shape[0] < 2:  # a single image, or one frame so far
-        return []
-    return (x[1:] - x[:-1]).abs().reshape(x.shape[0] - 1, -1).mean(dim=1).tolist()
 
 
 def _all_ok(comm: Comm) -> None:

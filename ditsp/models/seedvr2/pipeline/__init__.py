@@ -1,10 +1,11 @@
 """The SeedVR2 restoration pipeline around the DiT and the VAE.
 
 Pixel side (``transform``): area resize, clamp, crop to 16, ``2x - 1``, and
-back to uint8. Time (``padding``, ``windows``): 4n+1 padding and long-video
-windows with a streaming cross-fade. Latent side (``condition``): seeded
+back to uint8. Time (``padding``, ``windows``, ``latent_stitch``, ``seams``): 4n+1 padding, long-video
+windows stitched by a streaming cross-fade or in latent space, and how much their joins stand out. Latent side (``condition``): seeded
 noise, the 33-channel DiT input, the timestep, the sampler and the latent for
-the decoder. Colour (``color_fix``): wavelet, AdaIN or none. ``sizing``:
+the decoder. Colour (``color_fix``, ``lab``, ``color_drift``): wavelet, AdaIN, Lab transfer or none, and how far the
+output's colour drifted from the input's. ``sizing``:
 input size -> output size and latent grid.
 """
 
@@ -26,11 +27,12 @@ from .condition import (
 from .padding import pad_frames, padded_length, reference_pad, reference_padded_length
 from .sizing import FrameGeometry, frame_geometry
 from .transform import area_resize, area_size, center_crop, crop_box, resize_bicubic, to_uint8, transform_frames
-from .windows import (StreamingBlender, Window, WindowPlan, blend_windows, frame_weights, plan_windows, seam_metric,
-                      seam_metric_from_steps)
+from .seams import SeamMeter, seam_measure, seam_report
+from .windows import STITCHES, StreamingBlender, Window, WindowPlan, blend_windows, frame_weights, plan_windows
 
 __all__ = [
     "COLOR_FIX_METHODS",
+    "STITCHES",
     "FrameGeometry",
     "StreamingBlender",
     "Window",
@@ -60,8 +62,9 @@ __all__ = [
     "reference_padded_length",
     "resize_bicubic",
     "scale_latent",
-    "seam_metric",
-    "seam_metric_from_steps",
+    "SeamMeter",
+    "seam_measure",
+    "seam_report",
     "to_uint8",
     "transform_frames",
     "wavelet_color_fix",

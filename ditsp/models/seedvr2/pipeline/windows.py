@@ -17,12 +17,29 @@ Every window has its own deterministic noise seed (``window_seed``), so the
 result depends only on the clip, the seed and the window settings, never on
 the SP degree or the number of ranks.
 
-In an overlap of ``L`` frames between windows ``i`` and ``i + 1`` the weights
-follow a raised cosine sampled at frame centres: at position ``k`` the
-earlier window weighs ``0.5 + 0.5 cos(pi (k + 0.5) / L)`` and the later one
-the rest, so neither ever switches hard. When more than two windows cover a
-frame (possible when the overlap is close to half a window) the per-window
-weights are renormalised to sum to one.
+How consecutive windows are stitched together (``STITCHES``, ``--stitch``):
+
+* ``cosine``: the restored pixels are cross-faded over the frames the windows
+  share with a raised cosine sampled at frame centres: over an overlap of ``L``
+  frames, at position ``k`` the earlier window weighs
+  ``0.5 + 0.5 cos(pi (k + 0.5) / L)`` and the later one the rest, so neither
+  ever switches hard;
+* ``hann``: the overlap-add of tiled processing: every window's pixels weigh a
+  Hann window over its whole length, ``sin^2(pi (k + 0.5) / N)`` at frame ``k``
+  of ``N``, and the weights of a frame are normalised to sum to one (a frame
+  only one window covers takes it whole). Against ``cosine`` the hand-over in
+  an overlap is steeper in its middle and flatter at its ends;
+* ``latent``: no pixel fade: the windows' latents are placed on the clip's one
+  latent timeline, the latent frames two windows share are blended with the
+  raised cosine, and the causal VAE decodes the timeline once, continuing from
+  window to window (:mod:`.latent_stitch`). The decoder then never sees a
+  window's cold start after the first, and each shared frame is decoded once,
+  not twice. Its windows start at multiples of the VAE's time factor (a latent
+  frame of one window is then a latent frame of the next), so with a factor
+  above 1 the last window may be shorter and is padded like a short clip.
+
+When more than two windows cover a frame (possible when the overlap is close to
+half a window) the per-window weights are renormalised to sum to one.
 
 ``StreamingBlender`` takes restored windows in order and yields finished
 frames in order, holding only the frames still shared with the next window.
@@ -39,6 +56,8 @@ import torch
 from ..vae.config import RELEASED  # the reference pipeline's VAE: the default time factor
 from .condition import window_seed
 
+STITCHES = ("cosine", "hann", "latent")  # how consecutive windows are joined (see above); the first is the default
+PIXEL_STITCHES = ("cosine", "hann")  # the ones that fade decoded pixels (StreamingBlender)
 
 @dataclass(frozen=True)
 class Window:
@@ -62,6 +81,7 @@ class WindowPlan:
     window: int
     overlap: int
     windows: tuple[Window, ...]
+    stitch: str = STITCHES[0]
 
     def __len__(self) -> int:
         return len(self.windows)
@@ -80,17 +100,11 @@ class WindowPlan:
         """Indices of the windows that contain ``frame``."""
         return [w.index for w in self.windows if w.start <= frame < w.stop]
 
-    def seam_transitions(self) -> list[int]:
-        """Frame indices ``t`` whose step ``t - 1 -> t`` crosses blending between windows.
-
-        For each pair of consecutive windows: from the first shared frame to
-        one past the last shared frame (just the new window's first frame
-        when they share nothing).
-        """
-        out: set[int] = set()
-        for a, b in zip(self.windows, self.windows[1:]):
-            out.update(range(b.start, max(a.stop, b.start) + 1))
-        return sorted(t for t in out if 0 < t < self.frames)
+    def seams(self) -> list[tuple[int, int]]:
+        """Per pair of consecutive windows, the steps ``t - 1 -> t`` its join covers, as ``[first, stop)`` of ``t``:
+        from the later window's first frame to one past the earlier's last (just the later window's first frame
+        when they share nothing). The seam measure (:mod:`.seams`) reads them."""
+        return [(b.start, max(a.stop, b.start) + 1) for a, b in zip(self.windows, self.windows[1:])]
 
 
 def check_window(window: int, overlap: int, temporal_factor: int = RELEASED.temporal_factor) -> None:
@@ -103,20 +117,32 @@ def check_window(window: int, overlap: int, temporal_factor: int = RELEASED.temp
         raise ValueError(f"overlap must be in [0, window) = [0, {window}), got {overlap}")
 
 
+def check_stitch(stitch: str) -> str:
+    if stitch not in STITCHES:
+        raise ValueError(f"unknown stitch {stitch!r}; choose one of {', '.join(STITCHES)}")
+    return stitch
+
+
 def plan_windows(frames: int, window: int, overlap: int = 4, seed: int = 0,
-                 temporal_factor: int = RELEASED.temporal_factor) -> WindowPlan:
-    """Windows of ``window`` frames sharing ``overlap`` frames that cover ``frames`` frames."""
+                 temporal_factor: int = RELEASED.temporal_factor, stitch: str = STITCHES[0]) -> WindowPlan:
+    """Windows of ``window`` frames sharing ``overlap`` frames that cover ``frames`` frames, for ``stitch``."""
     if frames < 1:
         raise ValueError(f"a clip needs at least one frame, got {frames}")
     check_window(window, overlap, temporal_factor)
+    check_stitch(stitch)
     if frames <= window:
-        return WindowPlan(frames, window, overlap, (Window(0, 0, frames, window_seed(seed, 0)),))
-    # As few full-length windows as keep every overlap >= ``overlap``, spread evenly.
-    span = frames - window  # total distance the window start travels
-    steps = -(-span // (window - overlap))  # ceil
-    starts = [(i * span + steps // 2) // steps for i in range(steps + 1)]
-    wins = tuple(Window(i, s, s + window, window_seed(seed, i)) for i, s in enumerate(starts))
-    return WindowPlan(frames, window, overlap, wins)
+        return WindowPlan(frames, window, overlap, (Window(0, 0, frames, window_seed(seed, 0)),), stitch)
+    # As few windows as keep every overlap >= ``overlap``, spread evenly; the starts on multiples of ``align``.
+    align = temporal_factor if stitch == "latent" else 1
+    span = -(-(frames - window) // align)  # the distance the window start travels, in units of ``align``
+    most = (window - overlap) // align  # the longest step between starts that keeps the overlap
+    if most < 1:
+        raise ValueError(f"the {stitch} stitch starts windows on multiples of {align} frames: an overlap of "
+                         f"{overlap} leaves no room in a window of {window} (at most {window - align})")
+    steps = -(-span // most)  # ceil
+    starts = [align * ((i * span + steps // 2) // steps) for i in range(steps + 1)]
+    wins = tuple(Window(i, s, min(s + window, frames), window_seed(seed, i)) for i, s in enumerate(starts))
+    return WindowPlan(frames, window, overlap, wins, stitch)
 
 
 def ramp_down(length: int) -> torch.Tensor:
@@ -125,40 +151,53 @@ def ramp_down(length: int) -> torch.Tensor:
     return 0.5 + 0.5 * torch.cos(math.pi * (k + 0.5) / length)
 
 
-def _raw_weights(plan: WindowPlan) -> list[torch.Tensor]:
-    out = []
-    ws = plan.windows
-    for i, w in enumerate(ws):
-        wt = torch.ones(w.length, dtype=torch.float64)
-        if i > 0:  # fade in over the frames shared with the previous window
-            n = max(0, ws[i - 1].stop - w.start)
+def hann(length: int) -> torch.Tensor:
+    """A Hann window over ``length`` frames sampled at frame centres (fp64; never zero)."""
+    k = torch.arange(length, dtype=torch.float64)
+    return torch.sin(math.pi * (k + 0.5) / length) ** 2
+
+
+def blend_weights(spans: Sequence[tuple[int, int]], total: int, shape: str = "cosine") -> list[torch.Tensor]:
+    """Normalised weights (fp64, one per frame of each span) of consecutive spans ``[start, stop)`` that cover
+    ``[0, total)`` in order: ``shape`` ``cosine`` fades over each overlap, ``hann`` weighs each span by a Hann
+    window over its length; either way each frame's weights sum to one. Pixel windows and the latent
+    stitch's latent frames both use it."""
+    key = (tuple(spans), total, shape)
+    got = _CACHE.get(key)
+    if got is not None:
+        return got
+    raw = []
+    for i, (a, b) in enumerate(spans):
+        if shape == "hann":
+            raw.append(hann(b - a))
+            continue
+        wt = torch.ones(b - a, dtype=torch.float64)
+        if i > 0:  # fade in over the frames shared with the previous span
+            n = max(0, spans[i - 1][1] - a)
             if n:
                 wt[:n] *= 1.0 - ramp_down(n)
-        if i + 1 < len(ws):  # fade out over the frames shared with the next window
-            n = max(0, w.stop - ws[i + 1].start)
+        if i + 1 < len(spans):  # fade out over the frames shared with the next span
+            n = max(0, b - spans[i + 1][0])
             if n:
-                wt[w.length - n :] *= ramp_down(n)
-        out.append(wt)
-    return out
-
-
-_CACHE: dict[tuple[int, int, int], list[torch.Tensor]] = {}
-
-
-def _normalised_weights(plan: WindowPlan) -> list[torch.Tensor]:
-    key = (plan.frames, plan.window, plan.overlap)
-    got = _CACHE.get(key)
-    if got is not None and len(got) == len(plan.windows):
-        return got
-    raw = _raw_weights(plan)
-    total = torch.zeros(plan.frames, dtype=torch.float64)
-    for w, wt in zip(plan.windows, raw):
-        total[w.start : w.stop] += wt
-    out = [wt / total[w.start : w.stop] for w, wt in zip(plan.windows, raw)]
+                wt[b - a - n:] *= ramp_down(n)
+        raw.append(wt)
+    cover = torch.zeros(total, dtype=torch.float64)
+    for (a, b), wt in zip(spans, raw):
+        cover[a:b] += wt
+    out = [wt / cover[a:b] for (a, b), wt in zip(spans, raw)]
     if len(_CACHE) > 256:
         _CACHE.clear()
     _CACHE[key] = out
     return out
+
+
+_CACHE: dict[tuple, list[torch.Tensor]] = {}
+
+
+def _normalised_weights(plan: WindowPlan) -> list[torch.Tensor]:
+    """The pixel weights of ``plan``'s windows (the latent stitch's pixels: the raised cosine's, for reference)."""
+    shape = plan.stitch if plan.stitch in PIXEL_STITCHES else "cosine"
+    return blend_weights([(w.start, w.stop) for w in plan.windows], plan.frames, shape)
 
 
 def frame_weights(plan: WindowPlan) -> torch.Tensor:
@@ -182,6 +221,9 @@ class StreamingBlender:
     """
 
     def __init__(self, plan: WindowPlan, out_dtype: torch.dtype | None = None):
+        if plan.stitch not in PIXEL_STITCHES:
+            raise ValueError(f"the {plan.stitch} stitch does not fade pixels: its latents are blended "
+                             f"(latent_stitch.LatentStitch)")
         self.plan = plan
         self.out_dtype = out_dtype
         self._weights = _normalised_weights(plan)
@@ -249,34 +291,3 @@ def blend_windows(plan: WindowPlan, outputs: Sequence[torch.Tensor]) -> torch.Te
     parts = [b.push(i, o) for i, o in enumerate(outputs)]
     b.flush()
     return torch.cat(parts)
-
-
-def seam_metric(frames: torch.Tensor, boundaries: Sequence[int]) -> dict[str, float]:
-    """Mean absolute frame-to-frame change at window boundaries vs inside windows.
-
-    ``frames`` is ``(T, ...)`` (uint8 or float); ``boundaries`` are frame
-    indices ``t`` whose step ``t - 1 -> t`` counts as a seam (e.g.
-    ``plan.seam_transitions()``). Returns ``seam``, ``inside`` (means over
-    the other steps; NaN when there are none) and ``ratio = seam / inside``.
-    A clean stitch has a ratio near 1.
-    """
-    t = frames.shape[0]
-    if t < 2:
-        raise ValueError("seam_metric needs at least two frames")
-    x = frames.to(torch.float64)
-    step = (x[1:] - x[:-1]).abs().reshape(t - 1, -1).mean(dim=1)  # step[k] = |f[k+1] - f[k]|
-    return seam_metric_from_steps(step, boundaries)
-
-
-def seam_metric_from_steps(steps: Sequence[float] | torch.Tensor, boundaries: Sequence[int]) -> dict[str, float]:
-    """:func:`seam_metric` from the per-step changes ``steps[k] = mean |f[k+1] - f[k]|`` (for streams)."""
-    step = torch.as_tensor(steps, dtype=torch.float64)
-    t = step.numel() + 1
-    seam_idx = sorted({b - 1 for b in boundaries if 0 < b < t})
-    mask = torch.zeros(t - 1, dtype=torch.bool)
-    if seam_idx:
-        mask[seam_idx] = True
-    seam = step[mask].mean().item() if mask.any() else float("nan")
-    inside = step[~mask].mean().item() if (~mask).any() else float("nan")
-    ratio = seam / inside if inside and not math.isnan(inside) and not math.isnan(seam) else float("nan")
-    return {"seam": seam, "inside": inside, "ratio": ratio}
