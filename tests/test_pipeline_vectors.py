@@ -203,7 +203,7 @@ def test_color_fix_vectors(io, n):
 def test_color_fix_rejects_unknown():
     x = torch.zeros(1, 3, 8, 8)
     with pytest.raises(ValueError, match="unknown colour fix"):
-        cf.apply_color_fix(x, x, "lab")
+        cf.apply_color_fix(x, x, "sepia")
 
 
 def test_uint8_vectors(io):

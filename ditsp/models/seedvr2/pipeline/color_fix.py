@@ -1,6 +1,6 @@
 """Colour correction of the restored frames against the (transformed) input.
 
-Three methods, all on ``(T, 3, H, W)`` values in [-1, 1], frame by frame:
+Four methods, all on ``(T, 3, H, W)`` values in [-1, 1], frame by frame:
 
 * ``"wavelet"`` (the reference's choice): an a-trous pyramid of five
   dilated 3x3 binomial blurs (dilations 1, 2, 4, 8, 16, edge-replicated
@@ -9,6 +9,11 @@ Three methods, all on ``(T, 3, H, W)`` values in [-1, 1], frame by frame:
   band from the input: ``high(content) + low(style)``. Not clamped.
 * ``"adain"``: per frame and channel, re-standardise the content to the
   input's mean and (unbiased) standard deviation.
+* ``"lab"``: the same transfer of mean and standard deviation per frame, on
+  the CIE L*a*b* channels (:mod:`.lab`) instead of R, G and B: lightness and the
+  two colour-opponent axes move separately, so a saturation drift (a* and b*
+  spread too wide) is undone without shifting the lightness. The frames go
+  through sRGB [0, 1] (values outside clamped) and come back inside it.
 * ``"none"``: the content unchanged.
 
 The content side runs in the content's dtype: the reference hands the
@@ -21,7 +26,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-METHODS = ("wavelet", "adain", "none")
+from .lab import lab_to_rgb, rgb_to_lab
+
+METHODS = ("wavelet", "adain", "lab", "none")
 WAVELET_LEVELS = 5
 ADAIN_EPS = 1e-5
 
@@ -94,6 +101,20 @@ def adain_color_fix(content: torch.Tensor, style: torch.Tensor) -> torch.Tensor:
     return (content - mc) / sc * ss + ms
 
 
+def lab_color_fix(content: torch.Tensor, style: torch.Tensor) -> torch.Tensor:
+    """Per frame and L*a*b* channel: ``(content - mean_c) / std_c * std_s + mean_s`` (unbiased variance), computed
+    in float32, returned in the content's dtype."""
+    _check(content, style)
+    c = rgb_to_lab(content.float().add(1).mul(0.5))
+    s = rgb_to_lab(style.float().add(1).mul(0.5))
+    mc, sc = _mean_std(c)
+    ms, ss = _mean_std(s)
+    return lab_to_rgb((c - mc) / sc * ss + ms).mul(2).sub(1).to(content.dtype)
+
+
+_FIXES = {"wavelet": wavelet_color_fix, "adain": adain_color_fix, "lab": lab_color_fix}
+
+
 def apply_color_fix(
     content: torch.Tensor, style: torch.Tensor, method: str = "wavelet", *, chunk: int | None = 8
 ) -> torch.Tensor:
@@ -107,7 +128,7 @@ def apply_color_fix(
     if method == "none":
         return content
     _check(content, style)
-    fn = wavelet_color_fix if method == "wavelet" else adain_color_fix
+    fn = _FIXES[method]
     t = content.shape[0]
     if chunk is None or chunk >= t:
         return fn(content, style)
