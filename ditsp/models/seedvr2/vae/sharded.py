@@ -9,7 +9,8 @@ its slab):
 ``time``           temporal SP: rank r owns a consecutive range of latent frames (and the input
                    frames that map onto them); each causal conv receives its past frames from rank
                    r - 1 and forwards its own tail to rank r + 1 (:mod:`ditsp.distributed.halo`).
-``height``         height slabs at multiples of one latent row (8 input rows); per-conv row halos,
+``height``         height slabs at multiples of one latent row (8 input rows; near-even, or in
+                   proportion to the ranks' speeds where they differ); per-conv row halos,
                    GroupNorm statistics reduced over slabs per frame, mid-attention keys/values
                    gathered per frame.
 ``height+chunks``  height slabs, each rank walking its slab in causal time chunks.
@@ -40,7 +41,7 @@ from ....distributed.comm import Comm
 from ....fixed_shape import current
 from .execution import Exec
 from .layouts import SlabLayout, TimeLayout, even_split  # noqa: F401 - re-exported
-from .model import Posterior, VideoVAE, check_video, decoder_pieces, encoder_pieces
+from .model import Posterior, VideoVAE, check_video, decoder_pieces, encoder_pieces, time_pieces
 
 from .modes import AUTO, EXACT_MODES, MODES, SLAB_MODES  # noqa: F401 - EXACT_MODES re-exported
 from .memory import backend_of, choose_mode, counts_winograd
@@ -78,10 +79,14 @@ class ParallelVAE:
     """
 
     def __init__(self, vae: VideoVAE, comm: Comm | None = None, *, chunk: int = 1, budget_bytes: int | None = None,
-                 tile: int = 32, overlap: int = 8):
+                 tile: int = 32, overlap: int = 8, speeds: tuple[float, ...] | None = None):
         self.vae, self.cfg = vae, vae.cfg
         self.comm = comm or Comm.single()
         self.chunk, self.budget, self.tile, self.overlap = chunk, budget_bytes, tile, overlap
+        # per rank, ranks of unequal speed: height slabs cut in proportion (None: even; :class:`.layouts.SlabLayout`)
+        self.speeds = None if speeds is None or len(set(speeds)) <= 1 else tuple(float(v) for v in speeds)
+        if self.speeds is not None and len(self.speeds) != self.comm.world_size:
+            raise ValueError(f"{len(self.speeds)} rank speeds for an SP group of {self.comm.world_size}")
 
     # -- mode choice -----------------------------------------------------------------
 
@@ -97,7 +102,7 @@ class ParallelVAE:
         """(mode, report) for ``op`` ("encode"/"decode") of a clip with pixel shape (T, H, W)."""
         agree(self.comm, f"vae.{op} request", {"mode": mode, "shape": list(shape), "dtype": str(self.vae.dtype),
                                                "chunk": self.chunk, "budget": self.budget, "tile": [self.tile, self.overlap],
-                                               "widths": list(self.cfg.widths)})
+                                               "widths": list(self.cfg.widths), "speeds": self.speeds})
         if mode == AUTO:
             choice = self.choose(shape)
             mode, why = choice.mode, choice.report
@@ -135,7 +140,7 @@ class ParallelVAE:
             m = self.vae.encoder(x[:, :, a:b], Exec(comm, time_chain=True, image_fast_path=T == 1).begin(a))
             m = _gather(comm, m, 2, [q_ - p_ for p_, q_ in tl.latents], "output_gather")
         elif mode in SLAB_MODES:
-            layout = SlabLayout(t, h, w, H, W, n)
+            layout = SlabLayout(t, h, w, H, W, n, self.speeds)
             prow = layout.pixel_rows(self.cfg.spatial_factor)
             a, b = prow[r]
             pieces = encoder_pieces(T, self.chunk if mode == "height+chunks" else None, self.cfg.temporal_factor)
@@ -189,7 +194,7 @@ class ParallelVAE:
             counts = [tl.frames(p_, q_)[1] - tl.frames(p_, q_)[0] for p_, q_ in tl.latents]
             return _gather(comm, out, 2, counts, "output_gather")
         if mode in SLAB_MODES:
-            layout = SlabLayout.for_latent(t, h, w, n, self.cfg.spatial_factor)
+            layout = SlabLayout.for_latent(t, h, w, n, self.cfg.spatial_factor, self.speeds)
             _, _, h0, h1 = layout.rank_rows(r)
             return self._decode_rows(z[:, :, :, h0:h1], layout, mode, gather=True)
 
@@ -206,11 +211,56 @@ class ParallelVAE:
         mode = "height+chunks" if chunked else "height"
         T, H, W = self.cfg.decoded_shape(layout.t, layout.h, layout.w)
         self.resolve("decode_slab", (T, H, W), mode)
-        agree(self.comm, "vae.decode_slab layout", [layout.t, layout.h, layout.w, layout.world])
+        agree(self.comm, "vae.decode_slab layout", [layout.t, layout.h, layout.w, layout.world, layout.rows])
         _, _, h0, h1 = layout.rank_rows(self.comm.rank)
         if z_slab.shape[3] != h1 - h0:
             raise ValueError(f"rank {self.comm.rank} holds {z_slab.shape[3]} latent rows, layout says {h1 - h0}")
         return self._decode_rows(z_slab.to(self.vae.dtype), layout, mode, gather)
+
+    @torch.no_grad()
+    def decode_continued(self, z: torch.Tensor, start: int, carry: dict | None, mode: str,
+                         layout: SlabLayout | None = None, last: bool = False) -> tuple[torch.Tensor, dict]:
+        """Latent frames ``[start, start + t)`` of one long clip whose earlier frames earlier calls decoded:
+        (their video, the causal state to continue from). ``carry`` is the state a previous call returned
+        (None at ``start == 0``); it is never changed, so a failed call can be run again with it.
+
+        Bitwise the decode of the whole latent at once in every exact mode (each conv's past frames are the
+        carried ones). ``mode``: a slab mode decodes this rank's rows (``z`` holds the rows
+        ``layout.rank_rows(rank)`` of a latent with ``layout``'s rows and width) and returns its pixel rows;
+        the others decode whole frames on every rank in causal chunks (``time``'s split needs the whole
+        clip's frames at once, so it runs as ``chunked`` here). ``tiled`` cannot continue: ValueError.
+        ``last``: these are the clip's last frames (a clip of one latent frame then takes the image path,
+        as a whole decode does).
+        """
+        if mode not in MODES:
+            raise ValueError(f"unknown VAE mode {mode!r}; choose one of {MODES}")
+        if mode == "tiled":
+            raise ValueError("a continued decode needs an exact VAE mode: the tiled one cannot carry its state")
+        if (start == 0) != (carry is None):
+            raise ValueError("a continued decode starts at latent frame 0 without a state, later with one")
+        t = z.shape[2]
+        slab = mode in SLAB_MODES
+        if slab and layout is None:
+            raise ValueError(f"VAE mode {mode} decodes a slab: give its layout")
+        h = layout.h if slab else z.shape[3]
+        T, H, W = self.cfg.decoded_shape(t, h, z.shape[4])
+        self.resolve("decode_continued", (T, H, W), mode)
+        agree(self.comm, "vae.decode_continued", [start, t, carry is None, last] + ([layout.h, layout.w, layout.world]
+                                                                          if slab else []))
+        chunked = mode in ("chunked", "time", "height+chunks")
+        if start == 0:
+            pieces = decoder_pieces(t, self.chunk if chunked else None)
+        else:
+            pieces = time_pieces(t, self.chunk, self.chunk) if chunked else [(0, t)]
+        ex = Exec(self.comm if slab else None, carry=dict(carry or {}), image_fast_path=last)
+        z = z.to(self.vae.dtype)
+        if slab:
+            _, _, h0, h1 = layout.rank_rows(self.comm.rank)
+            if z.shape[3] != h1 - h0:
+                raise ValueError(f"rank {self.comm.rank} holds {z.shape[3]} latent rows, layout says {h1 - h0}")
+        outs = [self.vae.decoder(z[:, :, a:b], ex.begin(start + a, layout.rows if slab else None,
+                                                        layout.h if slab else None)) for a, b in pieces]
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), ex.carry
 
     def _decode_rows(self, z_local: torch.Tensor, layout: SlabLayout, mode: str, gather: bool) -> torch.Tensor:
         pieces = decoder_pieces(layout.t, self.chunk if mode == "height+chunks" else None)
