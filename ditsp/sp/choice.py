@@ -36,6 +36,7 @@ from typing import Sequence
 import numpy as np
 
 from ..attention.common import even_splits
+from ..windows.capacity import Shares
 from ..windows.geometry import canonical_method
 from ..windows.schedule import plan_schedule
 from .halo_slab import plan_halo
@@ -129,10 +130,23 @@ def _a2a_time(counts: np.ndarray, row_bytes: float, link: Link) -> tuple[float, 
     return worst * row_bytes / link.bandwidth, int(off.sum() * row_bytes)
 
 
+def capable(candidates: Sequence[str], shares: Shares | None) -> tuple[str, ...]:
+    """The candidates that can run ranks of unequal capacity: Plan A (its planners balance modelled time
+    under the token caps) and Plan B (slabs in proportion to speed; not under token caps); the Ulysses
+    baseline splits rows and heads evenly. Equal ranks: all of them."""
+    if shares is None or shares.even:
+        return tuple(candidates)
+    return tuple(c for c in candidates if c != "ulysses" and not (c == "halo" and shares.max_tokens is not None))
+
+
 def path_costs(cfg, grid: Sequence[int], world: int, link: Link | None = None, elem_bytes: int = 2,
-               candidates: Sequence[str] = CANDIDATES, txt_len: int | None = None) -> list[PathCost]:
-    """Predicted cost of one forward of ``cfg`` on ``grid`` at SP ``world`` for each candidate."""
+               candidates: Sequence[str] = CANDIDATES, txt_len: int | None = None,
+               shares: Shares | None = None) -> list[PathCost]:
+    """Predicted cost of one forward of ``cfg`` on ``grid`` at SP ``world`` for each candidate (``shares``:
+    ranks of unequal speed and memory; a rank's compute is divided by its speed)."""
     link = link or Link()
+    shares = None if shares is None or shares.even else shares
+    rate = (lambda loads: loads) if shares is None else (lambda loads: loads / np.asarray(shares.speed))
     L = cfg.txt_len if txt_len is None else txt_len
     inner, d, p = cfg.heads * cfg.head_dim, cfg.vid_dim, int(world)
     methods = tuple(canonical_method(m) for m in cfg.window_methods)
@@ -149,13 +163,13 @@ def path_costs(cfg, grid: Sequence[int], world: int, link: Link | None = None, e
         compute = comm = 0.0
         nbytes, rounds, imb = gather_b + text_b, txt_rounds + (p > 1), []
         if base == "window":
-            sch = plan_schedule(grid, methods, p, planner, cfg.num_windows)
+            sch = plan_schedule(grid, methods, p, planner, cfg.num_windows, shares=shares)
             per_method = {}
             for m, plan in sch.plans.items():
                 counts = plan.layout.token_counts
                 loads = np.array([plan.rank_tokens[r] * tok + _attn_flops(counts[list(ws)], L, inner)
                                   for r, ws in enumerate(plan.rank_windows)])
-                per_method[m] = loads
+                per_method[m] = rate(loads)
             for m in methods:
                 compute += per_method[m].max() / link.flops
                 imb.append(per_method[m].max() / per_method[m].mean())
@@ -164,13 +178,13 @@ def path_costs(cfg, grid: Sequence[int], world: int, link: Link | None = None, e
                     s, b = _a2a_time(t.counts, d * elem_bytes, link)
                     comm, nbytes, rounds = comm + s, nbytes + b, rounds + 1
         elif base == "halo":
-            hp = plan_halo(grid, methods, p, cfg.num_windows)
+            hp = plan_halo(grid, methods, p, cfg.num_windows, speeds=None if shares is None else shares.speed)
             slab_rows = hp.slabs.rank_rows
             for m in methods:
                 lc = hp.layouts[m]
                 counts = lc.layout.token_counts
-                loads = np.array([slab_rows[r] * tok + _attn_flops(counts[lc.window_rank == r], L, inner)
-                                  for r in range(p)])
+                loads = rate(np.array([slab_rows[r] * tok + _attn_flops(counts[lc.window_rank == r], L, inner)
+                                       for r in range(p)]))
                 compute += loads.max() / link.flops
                 imb.append(loads.max() / loads.mean())
                 if lc.halo_rows:
@@ -200,14 +214,16 @@ def path_costs(cfg, grid: Sequence[int], world: int, link: Link | None = None, e
 
 
 def choose(cfg, grid: Sequence[int], world: int, link: Link | None = None, elem_bytes: int = 2,
-           candidates: Sequence[str] = CANDIDATES) -> Choice:
-    """Candidates by predicted time, cheapest first (ties: the order of ``candidates``).
+           candidates: Sequence[str] = CANDIDATES, shares: Shares | None = None) -> Choice:
+    """Candidates by predicted time, cheapest first (ties: the order of ``candidates``); ranks of unequal
+    capacity (``shares``) choose among the paths that can run them (:func:`capable`).
 
     With one rank every path is the same single-device forward: Plan A LPT.
     """
     if int(world) == 1:
         candidates = ("window/lpt",)
-    costs = path_costs(cfg, grid, world, link, elem_bytes, candidates)
+    candidates = capable(candidates, shares)
+    costs = path_costs(cfg, grid, world, link, elem_bytes, candidates, shares=shares)
     order = sorted(range(len(costs)), key=lambda i: (round(costs[i].total_s, 12), i))
     return Choice(tuple(costs[i] for i in order))
 

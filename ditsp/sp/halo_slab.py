@@ -33,7 +33,8 @@ A cheaper variant would lend the attention *input* (``dim`` wide) and project
 the halo's Q/K/V twice; that needs the model to split its attention call and
 is left out so the model stays unchanged.
 
-Slabs: ``a`` time blocks x ``b`` height blocks (near-even splits) with
+Slabs: ``a`` time blocks x ``b`` height blocks (near-even splits; in proportion
+to the ranks' speeds where they differ, :func:`slab_ranges`) with
 ``a * b = min(P, T * H)`` slabs, the factorisation with the fewest halo rows
 over the schedule's layouts (then the smallest compute maximum). Ranks beyond
 the slab count (more ranks than slabs: tiny grids) hold no rows, compute no
@@ -56,6 +57,8 @@ from ..distributed.autograd import all_reduce_sum, connect_empty, replicated_gat
 from ..distributed.comm import Comm
 from ..distributed.transport import Transport
 from ..fixed_shape import DEFAULT
+from ..windows.capacity import Shares, proportional_split
+from ..windows.capacity import ranges as split_ranges
 from ..windows.exchange import exchange
 from ..windows.geometry import NUM_WINDOWS, WindowLayout, canonical_method, check_grid, short_name, window_layout
 from ..windows.ownership import RowOwnership, ownership_transition
@@ -70,13 +73,24 @@ _PLANS = LRUCache(16)
 # -- the pure plan (numpy, no torch.distributed) -------------------------------------------------------
 
 
-def slab_ranges(grid: Sequence[int], a: int, b: int) -> list[tuple[int, int, int, int]]:
-    """``(t0, t1, h0, h1)`` of the ``a x b`` blocks, time-major (rank r = it * b + ih)."""
+def slab_ranges(grid: Sequence[int], a: int, b: int,
+                speeds: Sequence[float] | None = None) -> list[tuple[int, int, int, int]]:
+    """``(t0, t1, h0, h1)`` of the ``a x b`` blocks, time-major (rank r = it * b + ih).
+
+    ``speeds`` (per rank, unequal ranks): time blocks cut in proportion to the summed speed of their
+    ``b`` ranks, each time block's rows in proportion to its ranks' speeds (whole rows, every slab at
+    least one where the grid allows); None: near-even splits."""
     T, H, _ = grid
-    ts, hs = even_splits(T, a), even_splits(H, b)
-    t_start, h_start = np.concatenate([[0], np.cumsum(ts)]), np.concatenate([[0], np.cumsum(hs)])
-    return [(int(t_start[i]), int(t_start[i + 1]), int(h_start[j]), int(h_start[j + 1]))
-            for i in range(a) for j in range(b)]
+    if speeds is None or len(set(speeds[:a * b])) <= 1:
+        ts, hs = even_splits(T, a), even_splits(H, b)
+        t_start, h_start = np.concatenate([[0], np.cumsum(ts)]), np.concatenate([[0], np.cumsum(hs)])
+        return [(int(t_start[i]), int(t_start[i + 1]), int(h_start[j]), int(h_start[j + 1]))
+                for i in range(a) for j in range(b)]
+    rows = [list(speeds[i * b:(i + 1) * b]) for i in range(a)]
+    out = []
+    for i, (t0, t1) in enumerate(split_ranges(proportional_split(T, [sum(r) for r in rows], minimum=1))):
+        out += [(t0, t1, h0, h1) for h0, h1 in split_ranges(proportional_split(H, rows[i], minimum=1))]
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -159,8 +173,8 @@ class HaloPlan:
                 f"ranks, halo {max(halo) / self.num_tokens:.1%} of rows per layer")
 
 
-def _build(grid, methods, world, num_windows, a, b) -> HaloPlan:
-    ranges = slab_ranges(grid, a, b)
+def _build(grid, methods, world, num_windows, a, b, speeds=None) -> HaloPlan:
+    ranges = slab_ranges(grid, a, b, speeds)
     T, H, W = grid
     ids = [(((np.arange(t0, t1)[:, None, None] * H + np.arange(h0, h1)[None, :, None]) * W
              + np.arange(W)[None, None, :]).reshape(-1)) for t0, t1, h0, h1 in ranges]
@@ -172,8 +186,10 @@ def _build(grid, methods, world, num_windows, a, b) -> HaloPlan:
 
 
 def plan_halo(grid: Sequence[int], layer_methods: Sequence[str], world_size: int,
-              num_windows: Sequence[int] = NUM_WINDOWS, blocks: tuple[int, int] | None = None) -> HaloPlan:
-    """The (cached) halo-slab plan; ``blocks`` forces the ``(time, height)`` block counts."""
+              num_windows: Sequence[int] = NUM_WINDOWS, blocks: tuple[int, int] | None = None,
+              speeds: Sequence[float] | None = None) -> HaloPlan:
+    """The (cached) halo-slab plan; ``blocks`` forces the ``(time, height)`` block counts; ``speeds`` (one
+    per rank) cut the slabs in proportion to them (:func:`slab_ranges`), equal speeds as None."""
     grid = check_grid(grid)
     methods = tuple(canonical_method(m) for m in layer_methods)
     if not methods:
@@ -181,7 +197,10 @@ def plan_halo(grid: Sequence[int], layer_methods: Sequence[str], world_size: int
     world = int(world_size)
     if world < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
-    key = (grid, methods, world, tuple(num_windows), blocks, PLAN_VERSION)
+    speeds = None if speeds is None or len(set(speeds)) <= 1 else tuple(float(v) for v in speeds)
+    if speeds is not None and len(speeds) != world:
+        raise ValueError(f"{len(speeds)} rank speeds for {world} ranks")
+    key = (grid, methods, world, tuple(num_windows), blocks, PLAN_VERSION) + ((speeds,) if speeds else ())
 
     def make() -> HaloPlan:
         T, H, _ = grid
@@ -189,14 +208,14 @@ def plan_halo(grid: Sequence[int], layer_methods: Sequence[str], world_size: int
             a, b = blocks
             if a < 1 or b < 1 or a > T or b > H or a * b > world:
                 raise ValueError(f"{a}x{b} slabs do not fit grid {grid} on {world} ranks")
-            return _build(grid, methods, world, num_windows, a, b)
+            return _build(grid, methods, world, num_windows, a, b, speeds)
         target = min(world, T * H)
         cands = [(a, target // a) for a in range(1, min(T, target) + 1)
                  if target % a == 0 and target // a <= H]
         if not cands:  # no exact factorisation fits: the largest slab count that does
             cands = [max(((a, min(H, target // a)) for a in range(1, min(T, target) + 1)),
                          key=lambda ab: (ab[0] * ab[1], -ab[0]))]
-        plans = [_build(grid, methods, world, num_windows, a, b) for a, b in cands]
+        plans = [_build(grid, methods, world, num_windows, a, b, speeds) for a, b in cands]
         return min(plans, key=lambda hp: (sum(hp.halo_rows_per_layer()),
                                           sum(int(c.rank_compute_rows.max()) for c in hp.layouts.values()),
                                           hp.blocks))
@@ -214,15 +233,17 @@ class HaloSlabRuntime:
 
     def __init__(self, grid: Sequence[int], layer_methods: Sequence[str], comm: Comm,
                  num_windows: Sequence[int] = NUM_WINDOWS, dtype: torch.dtype = torch.float32,
-                 blocks: tuple[int, int] | None = None, transport=None):
+                 blocks: tuple[int, int] | None = None, transport=None, shares: Shares | None = None):
         self.comm, self.rank, self.world_size, self.dtype = comm, comm.rank, comm.world_size, dtype
         self.transport = Transport(comm, transport)  # the halo and handoff exchanges' settings
         methods = [canonical_method(m) for m in layer_methods]
         agree(comm, "the halo-slab request (grid, schedule, windows, blocks, dtype, world size)",
               {"grid": [int(v) for v in grid], "schedule": [short_name(m) for m in methods],
                "num_windows": [int(v) for v in num_windows], "blocks": list(blocks) if blocks else None,
-               "dtype": str(dtype), "world_size": comm.world_size, "version": PLAN_VERSION})
-        self.plan = plan_halo(grid, methods, comm.world_size, num_windows, blocks)
+               "dtype": str(dtype), "world_size": comm.world_size, "version": PLAN_VERSION,
+               "speeds": None if shares is None else list(shares.speed)})
+        self.plan = plan_halo(grid, methods, comm.world_size, num_windows, blocks,
+                              None if shares is None else shares.speed)
         self.current: str | None = None
         self._packs: dict = {}
         self._ids = torch.from_numpy(self.plan.slabs.rank_ids(self.rank))

@@ -35,6 +35,7 @@ from ..distributed.agree import agree
 from ..distributed.autograd import all_reduce_sum, connect_empty, replicated_gather
 from ..distributed.comm import Comm
 from ..distributed.transport import Transport
+from ..windows.capacity import Shares
 from ..windows.exchange import exchange
 from ..windows.geometry import NUM_WINDOWS, canonical_method, short_name
 from ..windows.plan import Plan
@@ -56,6 +57,7 @@ class WindowRuntime(ScheduleRuntime):
         num_windows: Sequence[int] = NUM_WINDOWS,
         dtype: torch.dtype = torch.float32,
         transport=None,
+        shares: Shares | None = None,
     ):
         self.comm = comm
         self.transport = Transport(comm, transport)  # the layout exchanges' and handoffs' settings
@@ -64,19 +66,19 @@ class WindowRuntime(ScheduleRuntime):
         self.dtype = dtype
         methods = [canonical_method(m) for m in layer_methods]
         # Every rank must plan the same request, or the collectives below diverge and hang.
-        agree(
-            comm,
-            "the window-SP request (grid, schedule, windows, planner, dtype, world size)",
-            {
-                "grid": [int(v) for v in grid],
-                "schedule": [short_name(m) for m in methods],
-                "num_windows": [int(v) for v in num_windows],
-                "planner": planner,
-                "dtype": str(dtype),
-                "world_size": comm.world_size,
-            },
-        )
-        self.schedule: SchedulePlan = plan_schedule(grid, methods, comm.world_size, planner, num_windows)
+        request = {
+            "grid": [int(v) for v in grid],
+            "schedule": [short_name(m) for m in methods],
+            "num_windows": [int(v) for v in num_windows],
+            "planner": planner,
+            "dtype": str(dtype),
+            "world_size": comm.world_size,
+        }
+        if shares is not None and not shares.even:  # ranks of unequal capacity: their speeds and token caps
+            request["shares"] = {"speed": list(shares.speed), "max_tokens": shares.max_tokens}
+        agree(comm, "the window-SP request (grid, schedule, windows, planner, dtype, world size)", request)
+        self.schedule: SchedulePlan = plan_schedule(grid, methods, comm.world_size, planner, num_windows,
+                                                    shares=shares)
         self.current: str | None = None
 
     @classmethod

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..scoped_env import scoped_env
 from .geometry import NUM_WINDOWS, WindowLayout, canonical_method, check_grid, short_name, window_counts, window_layout
+from .capacity import Shares
 from .plan import Plan, Transition, transition
 from .planners import plan_layouts
 
@@ -37,6 +38,7 @@ class SchedulePlan:
     planner: str
     layer_methods: tuple[str, ...]
     plans: dict  # canonical method -> Plan
+    shares: Shares | None = None  # the ranks' speeds and token caps it was planned for (None: equal ranks)
 
     @property
     def layouts(self) -> dict[str, WindowLayout]:
@@ -214,8 +216,10 @@ def plan_schedule(
     num_windows: Sequence[int] = NUM_WINDOWS,
     max_bytes: int | None = None,
     max_seconds: float | None = None,
+    shares: Shares | None = None,
 ) -> SchedulePlan:
-    """Plan every distinct layout of ``layer_methods`` together.
+    """Plan every distinct layout of ``layer_methods`` together (``shares``: ranks of unequal speed or
+    memory, :func:`~ditsp.windows.planners.plan_layouts`).
 
     Refuses with :class:`PlanTooLargeError` before allocating when the estimate
     (:func:`estimate_plan`) exceeds ``max_bytes`` / ``max_seconds`` (default:
@@ -227,13 +231,15 @@ def plan_schedule(
     methods = tuple(canonical_method(m) for m in layer_methods)
     distinct = list(dict.fromkeys(methods))
     layouts = [window_layout(grid, m, num_windows) for m in distinct]
-    plans = plan_layouts(layouts, world_size, planner)
+    shares = None if shares is None or shares.even else shares
+    plans = plan_layouts(layouts, world_size, planner, shares)
     return SchedulePlan(
         grid=layouts[0].grid,
         world_size=int(world_size),
         planner=planner,
         layer_methods=methods,
         plans=dict(zip(distinct, plans)),
+        shares=shares,
     )
 
 

@@ -34,14 +34,19 @@ from ...sp import SPRuntime, UlyssesWindowRuntime, WindowRuntime
 from .nadit.config import NaDiTConfig
 from ...sp.halo_slab import HaloSlabRuntime
 from ...sp.choice import ChosenRuntime, Link, choose, split_path
+from ...windows.capacity import Shares
 
 PATHS = ("window", "ulysses", "halo", "auto")
 
 
 def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: Sequence[int],
-                group=None) -> SPRuntime:
+                group=None, shares: Shares | None = None) -> SPRuntime:
     """The SP runtime of one request of model ``cfg`` on SP group ``group`` (None: one rank; a
     :class:`~ditsp.distributed.comm.Comm`: that Comm itself, so a job's collectives count in one place).
+
+    ``shares``: the ranks' speeds and token caps where they differ (:mod:`ditsp.windows.capacity`): Plan A
+    balances modelled time under the caps, Plan B cuts its slabs in proportion to speed, ``auto`` chooses
+    among the paths that can (the Ulysses baseline splits evenly and refuses them).
 
     ``group``'s size must equal the configured SP degree. Text sums are
     reduced in fp64 whatever the model dtype, so their value does not depend
@@ -60,7 +65,11 @@ def parallelize(cfg: NaDiTConfig, parallel_config: ParallelConfig | None, grid: 
     if path not in PATHS:
         raise ValueError(f"unknown SP path {path!r}; choose from {', '.join(PATHS)}")
     a2a = TransportSettings.resolve(pc)  # the policy of the runtime's all-to-alls (carried by the runtime)
-    rt = _auto(cfg, grid, comm, a2a) if path == "auto" else _build(path, cfg, grid, comm, planner or "lpt", a2a)
+    shares = None if shares is None or shares.even else shares
+    if shares is not None and shares.world_size != world:
+        raise ValueError(f"capacities of {shares.world_size} ranks for an SP group of {world}")
+    rt = _auto(cfg, grid, comm, a2a, shares) if path == "auto" else \
+        _build(path, cfg, grid, comm, planner or "lpt", a2a, shares)
     rt.kernel_shapes = shapes_for(pc.deterministic)
     if world > 1:
         agree(comm, "the kernel-shape policy (deterministic)", {"deterministic": pc.deterministic})
@@ -75,23 +84,29 @@ def single_runtime(cfg: NaDiTConfig, grid: Sequence[int], planner: str = "lpt",
 
 
 def _build(path: str, cfg: NaDiTConfig, grid: Sequence[int], comm: Comm, planner: str | None,
-           a2a: TransportSettings) -> SPRuntime:
+           a2a: TransportSettings, shares: Shares | None = None) -> SPRuntime:
     if path == "window":
-        return WindowRuntime(grid, cfg.window_methods, comm, planner, cfg.num_windows, torch.float64, a2a)
+        return WindowRuntime(grid, cfg.window_methods, comm, planner, cfg.num_windows, torch.float64, a2a,
+                             shares=shares)
     if path == "ulysses":
+        if shares is not None:
+            raise ParallelConfigError("the Ulysses baseline splits rows and heads evenly; ranks of unequal "
+                                      "capacity need the window or halo path")
         return UlyssesWindowRuntime(grid, cfg.window_methods, cfg.heads, comm, cfg.num_windows, torch.float64,
                                     a2a)
 
-    return HaloSlabRuntime(grid, cfg.window_methods, comm, cfg.num_windows, torch.float64, transport=a2a)
+    return HaloSlabRuntime(grid, cfg.window_methods, comm, cfg.num_windows, torch.float64, transport=a2a,
+                           shares=shares)
 
 
-def _auto(cfg: NaDiTConfig, grid: Sequence[int], comm: Comm, a2a: TransportSettings) -> SPRuntime:
+def _auto(cfg: NaDiTConfig, grid: Sequence[int], comm: Comm, a2a: TransportSettings,
+          shares: Shares | None = None) -> SPRuntime:
     """The cost model's cheapest path, checked to be the same on every rank, then built."""
 
     link = Link.load()
-    choice = choose(cfg, grid, comm.world_size, link)
+    choice = choose(cfg, grid, comm.world_size, link, shares=shares)
     agree(comm, "the auto SP path (choice, runner-up, link)",
           {"choice": [c.path for c in choice.costs[:2]], "link": link.as_dict()})
     base, planner = split_path(choice.best.path)
-    rt = _build(base, cfg, grid, comm, planner, a2a)
+    rt = _build(base, cfg, grid, comm, planner, a2a, shares)
     return ChosenRuntime(rt, choice)

@@ -1,11 +1,15 @@
 """Token-balanced assignment of one layout's windows: LPT, and a packing search that improves on it.
 
-Pure integer Python: the same counts give the same assignment on every rank.
+Pure Python: the same counts give the same assignment on every rank. With unequal :class:`Shares`
+(speeds, token caps) both balance modelled time (tokens / speed) instead of tokens, never putting a rank
+above its cap where another rank can take the window; equal shares take the integer path unchanged.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
+
+from ..capacity import Shares
 
 VERSION = 1
 
@@ -65,6 +69,76 @@ def packed_assign(token_counts: Sequence[int], p: int, cap: int | None = None) -
     return [sorted(b) for b in bins]
 
 
-def plan_lpt(layouts, world_size: int):
-    """The ``lpt`` planner: every layout balanced on its own."""
-    return tuple(lpt_assign(lay.token_counts, world_size) for lay in layouts)
+def lpt_shares(token_counts: Sequence[int], shares: Shares) -> tuple[tuple[int, ...], ...]:
+    """LPT for ranks of unequal speed (and token caps): windows sorted by (-tokens, id), each to the rank
+    that would finish it first ((load + tokens) / speed, then rank id) among those whose cap it fits (all
+    ranks where none fits: the plan then breaks a cap, which its caller refuses)."""
+    counts = [int(c) for c in token_counts]
+    p, speed = shares.world_size, shares.speed
+    order = sorted(range(len(counts)), key=lambda i: (-counts[i], i))
+    load = [0] * p
+    owned: list[list[int]] = [[] for _ in range(p)]
+    for i in order:
+        c = counts[i]
+        fit = [k for k in range(p) if shares.cap(k) is None or load[k] + c <= shares.cap(k)]
+        r = min(fit or range(p), key=lambda k: ((load[k] + c) / speed[k], k))
+        load[r] += c
+        owned[r].append(i)
+    return tuple(tuple(sorted(ws)) for ws in owned)
+
+
+def packed_shares(token_counts: Sequence[int], shares: Shares, caps: Sequence[int] | None = None) -> list[list[int]]:
+    """:func:`packed_assign` for unequal shares: LPT by finishing time, then moves and swaps that lower the
+    largest modelled time (tokens / speed) until every rank is within ``caps`` (per rank) or nothing
+    improves; no move puts a rank above its token cap. Deterministic."""
+    counts = [int(c) for c in token_counts]
+    p, speed = shares.world_size, shares.speed
+    bins = [list(ws) for ws in lpt_shares(counts, shares)]
+    load = [sum(counts[i] for i in b) for b in bins]
+    hard = [shares.cap(k) for k in range(p)]
+
+    def room(s: int, add: int) -> bool:
+        return hard[s] is None or load[s] + add <= hard[s]
+
+    for _ in range(4 * len(counts) + 16):
+        if caps is not None and all(load[k] <= caps[k] for k in range(p)):
+            break
+        r = max(range(p), key=lambda k: (load[k] / speed[k], -k))
+        now = load[r] / speed[r]
+        best = None  # (new max of the two ranks' times, item out, item in or -1, dest)
+        for s in range(p):
+            if s == r:
+                continue
+            for i in bins[r]:
+                after = max((load[r] - counts[i]) / speed[r], (load[s] + counts[i]) / speed[s])
+                if after < now and room(s, counts[i]):
+                    key = (after, i, -1, s)
+                    best = key if best is None or key < best else best
+                for j in bins[s]:
+                    d = counts[i] - counts[j]
+                    if d <= 0:
+                        continue
+                    after = max((load[r] - d) / speed[r], (load[s] + d) / speed[s])
+                    if after < now and room(s, d):
+                        key = (after, i, j, s)
+                        best = key if best is None or key < best else best
+        if best is None:
+            break
+        _, i, j, s = best
+        bins[r].remove(i)
+        bins[s].append(i)
+        load[r] -= counts[i]
+        load[s] += counts[i]
+        if j >= 0:
+            bins[s].remove(j)
+            bins[r].append(j)
+            load[s] -= counts[j]
+            load[r] += counts[j]
+    return [sorted(b) for b in bins]
+
+
+def plan_lpt(layouts, world_size: int, shares: Shares | None = None):
+    """The ``lpt`` planner: every layout balanced on its own (by modelled time under unequal ``shares``)."""
+    if shares is None or shares.even:
+        return tuple(lpt_assign(lay.token_counts, world_size) for lay in layouts)
+    return tuple(lpt_shares(lay.token_counts, shares) for lay in layouts)

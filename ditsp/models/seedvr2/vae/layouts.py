@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ....windows.capacity import proportional_split, ranges
+
 
 def even_split(n: int, parts: int) -> list[tuple[int, int]]:
     """``n`` items into ``parts`` consecutive ranges, sizes differing by at most one; ranges past
@@ -35,14 +37,27 @@ class SlabLayout:
     H: int
     W: int
     world: int
+    speeds: tuple[float, ...] | None = None  # per rank, unequal ranks: slabs in proportion (None: even)
+
+    def __post_init__(self):
+        if self.speeds is not None:
+            if len(self.speeds) != self.world:
+                raise ValueError(f"{len(self.speeds)} rank speeds for {self.world} ranks")
+            object.__setattr__(self, "speeds", None if len(set(self.speeds)) == 1 else tuple(self.speeds))
 
     @classmethod
-    def for_latent(cls, t: int, h: int, w: int, world: int, spatial: int = 8) -> "SlabLayout":
-        return cls(t, h, w, h * spatial, w * spatial, world)
+    def for_latent(cls, t: int, h: int, w: int, world: int, spatial: int = 8,
+                   speeds: tuple[float, ...] | None = None) -> "SlabLayout":
+        return cls(t, h, w, h * spatial, w * spatial, world, speeds)
 
     @property
     def rows(self) -> list[tuple[int, int]]:
-        return even_split(self.h, self.world)
+        """Each rank's latent rows: near-even, or in proportion to ``speeds`` (whole latent rows, every rank
+        at least one where there are as many rows as ranks: a conv's halo comes from the neighbouring slab,
+        so only trailing ranks may hold none)."""
+        if self.speeds is None:
+            return even_split(self.h, self.world)
+        return ranges(proportional_split(self.h, self.speeds, minimum=1))
 
     def rank_rows(self, rank: int) -> tuple[int, int, int, int]:
         """(t0, t1, h0, h1): the canonical latent range rank ``rank`` holds (columns: all of ``[0, w)``)."""

@@ -199,15 +199,16 @@ def num_params(cfg: VaeConfig) -> int:
 
 
 def piece_of(cfg: VaeConfig, op: str, shape, world: int, mode: str, chunk: int = 1, tile: int = 32,
-             overlap: int = 8) -> Piece:
-    """The largest piece one rank holds (input frames/rows/cols of the network: pixels or latents)."""
+             overlap: int = 8, rows: int | None = None) -> Piece:
+    """The largest piece one rank holds (input frames/rows/cols of the network: pixels or latents);
+    ``rows``: the rank's latent rows under the height modes (default: the largest even slab)."""
     T, H, W = shape
     t, h, w = cfg.latent_shape(T, H, W)
     s, f = cfg.spatial_factor, cfg.temporal_factor
     enc = op == "encode"
     frames_all, rows_all, cols = (T, H, W) if enc else (t, h, w)
     chunk_frames = (1 + f * chunk) if enc else (1 + chunk)
-    slab = -(-h // world)
+    slab = -(-h // world) if rows is None else int(rows)
     slab_rows = (slab * s + (H - h * s)) if enc else slab
     n_chunks = max(1, math.ceil((t - 1) / chunk)) if t > 1 else 1
     if mode == "replicated":
@@ -235,21 +236,22 @@ def piece_of(cfg: VaeConfig, op: str, shape, world: int, mode: str, chunk: int =
 
 def estimate(cfg: VaeConfig, op: str, shape, world: int, mode: str, dtype=torch.bfloat16, chunk: int = 1,
              tile: int = 32, overlap: int = 8, gather: bool = True, backend: str = "cuda",
-             winograd_filters: bool = False) -> MemoryEstimate:
+             winograd_filters: bool = False, rows: int | None = None) -> MemoryEstimate:
     """Modelled peak bytes of one rank running ``op`` ("encode"/"decode") of a (T, H, W) pixel clip.
 
     ``backend`` (:data:`BACKENDS`): ``"cpu-deterministic"`` (a CPU run under the deterministic policy, in the
     contiguous layout, :mod:`.channels_last`) adds, at each conv, the row-padded copy its fixed-shape calls
     read and the output-sized buffer oneDNN reorders their results through; ``"cpu"`` (channels-last, the
     fast policy: oneDNN reads and writes the layout directly) and ``"cuda"`` model neither. ``winograd_filters``
-    (:func:`counts_winograd`): add the filters the Winograd convs of this piece will cache.
+    (:func:`counts_winograd`): add the filters the Winograd convs of this piece will cache. ``rows``: this
+    rank's latent rows under the height modes (ranks of unequal speed, :class:`.layouts.SlabLayout`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     b = torch.empty((), dtype=dtype).element_size()
     T, H, W = shape
     t, h, w = cfg.latent_shape(T, H, W)
-    pc = piece_of(cfg, op, shape, world, mode, chunk, tile, overlap)
+    pc = piece_of(cfg, op, shape, world, mode, chunk, tile, overlap, rows)
     carry = mode in ("chunked", "height+chunks", "tiled") and pc.pieces > 1
     wk = _Walk(b, False, pc.halo, carry, backend == "cpu-deterministic", dtype if winograd_filters else None)
     walk = {"encode": _walk_encoder, "decode": _walk_decoder}
@@ -257,7 +259,7 @@ def estimate(cfg: VaeConfig, op: str, shape, world: int, mode: str, dtype=torch.
     filters = wk.filters
     if winograd_filters:  # the cache lives with the VAE: a restoration's decode still holds the encoder's filters
         other = "decode" if op == "encode" else "encode"
-        po = piece_of(cfg, other, shape, world, mode, chunk, tile, overlap)
+        po = piece_of(cfg, other, shape, world, mode, chunk, tile, overlap, rows)
         wo = _Walk(b, False, po.halo, False, backend == "cpu-deterministic", dtype)
         walk[other](cfg, wo, (po.frames, po.rows, po.cols), h)
         filters += wo.filters
@@ -293,16 +295,24 @@ class Choice:
     estimates: dict = field(default_factory=dict)
 
 
-def choose_mode(cfg: VaeConfig, shape, world: int, budget: int | None, dtype=torch.bfloat16, chunk: int = 1,
+def choose_mode(cfg: VaeConfig, shape, world: int, budget, dtype=torch.bfloat16, chunk: int = 1,
                 tile: int = 32, overlap: int = 8, ops: tuple[str, ...] = ("encode", "decode"),
-                winograd_filters: bool = False, backend: str = "cuda") -> Choice:
+                winograd_filters: bool = False, backend: str = "cuda", rows=None) -> Choice:
     """What ``auto`` means, the one rule (:mod:`.modes`): the first exact mode of ``AUTO_ORDER`` whose modelled
     per-rank peak over ``ops`` fits ``budget``; tiled (APPROXIMATE) only if none does; else MemoryError.
 
-    A pure function of its arguments, so every rank that agreed on them picks the same mode.
+    Ranks of unequal capacity: ``budget`` one per rank and ``rows`` each rank's latent slab rows under the
+    height modes; a mode fits when every rank's peak fits its own budget (the estimates name the most
+    loaded rank's peak). A pure function of its arguments, so every rank that agreed on them picks the
+    same mode.
     """
     t = cfg.latent_shape(*shape)[0]
     cands = [m for m in AUTO_ORDER if t >= BY_NAME[m].min_latent_frames and (world > 1 or not BY_NAME[m].splits)]
+    per_rank = budget is not None and not isinstance(budget, int) or rows is not None
+    if per_rank:
+        budgets = [budget] * world if budget is None or isinstance(budget, int) else list(budget)
+        return _choose_per_rank(cfg, shape, world, budgets, dtype, chunk, tile, overlap, ops, winograd_filters,
+                                backend, rows, cands)
 
     def peak(m: str) -> int:
         return max(estimate(cfg, op, shape, world, m, dtype, chunk, tile, overlap, backend=backend,
@@ -322,3 +332,43 @@ def choose_mode(cfg: VaeConfig, shape, world: int, budget: int | None, dtype=tor
                              f"{est[m] / GiB:.2f} GiB", est)
     raise MemoryError(f"no VAE mode fits {budget / GiB:.2f} GiB per rank for {'+'.join(ops)} {tuple(shape)} at "
                       f"SP={world}: " + "; ".join(f"{m} {b / GiB:.2f} GiB" for m, b in est.items()))
+
+
+def _choose_per_rank(cfg, shape, world, budgets, dtype, chunk, tile, overlap, ops, winograd_filters, backend, rows,
+                     cands) -> Choice:
+    """:func:`choose_mode` for ranks of unequal budgets and slabs: a mode fits when every rank's fits."""
+
+    def peaks(m: str) -> list[int]:
+        slab = BY_NAME[m].slab and rows is not None
+        one = None
+        out = []
+        for r in range(world):
+            if one is None or slab:
+                one = max(estimate(cfg, op, shape, world, m, dtype, chunk, tile, overlap, backend=backend,
+                                   winograd_filters=winograd_filters, rows=rows[r] if slab else None).total
+                          for op in ops)
+            out.append(one)
+        return out
+
+    def fits(p: list[int]) -> bool:
+        return all(b is None or x <= b for x, b in zip(p, budgets))
+
+    def room(p: list[int]) -> str:  # the rank with the least room left
+        r = min(range(world), key=lambda k: (budgets[k] or 0) - p[k]) if budgets[0] is not None else 0
+        return f"rank {r} {p[r] / GiB:.2f} GiB" + ("" if budgets[r] is None else f" of {budgets[r] / GiB:.2f}")
+
+    est = {}
+    for m in cands:
+        p = peaks(m)
+        est[m] = max(p)
+        if fits(p):
+            note = "no budget" if budgets[0] is None else "fits every rank's budget"
+            return Choice(m, f"auto: the first exact mode that fits, modelled {room(p)} GiB, {note}", est)
+    for m in FALLBACK:
+        p = peaks(m)
+        est[m] = max(p)
+        if fits(p):
+            return Choice(m, f"auto: no exact mode fits every rank; {m} (APPROXIMATE), modelled {room(p)} GiB", est)
+    raise MemoryError(f"no VAE mode fits every rank's budget ({', '.join(f'{b / GiB:.2f}' for b in budgets)} GiB) "
+                      f"for {'+'.join(ops)} {tuple(shape)} at SP={world}: "
+                      + "; ".join(f"{m} {b / GiB:.2f} GiB" for m, b in est.items()))

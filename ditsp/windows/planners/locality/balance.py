@@ -7,21 +7,35 @@ from typing import Sequence
 
 import numpy as np
 
+from ...capacity import Shares
 from ...geometry import WindowLayout
-from ..lpt import packed_assign
+from ..lpt import packed_assign, packed_shares
 from .graph import State
 from .params import MAX_IMBALANCE, CAP_MARGIN
 
 
-def layout_caps(layouts: Sequence[WindowLayout], p: int) -> list[int]:
+def layout_caps(layouts: Sequence[WindowLayout], p: int, shares: Shares | None = None) -> list:
     """Per layout, the most tokens one rank may hold: 1.03 x the mean, or the best balance a
-    packing search finds where 1.03 is out of reach (more ranks than windows, coarse windows)."""
+    packing search finds where 1.03 is out of reach (more ranks than windows, coarse windows).
+
+    Unequal ``shares``: per layout a list, per rank: 1.03 x the rank's target (its speed's share, no rank above its token cap,
+    :meth:`Shares.targets`), never above the token cap, or the packing's modelled time x its speed."""
     caps = []
     for lay in layouts:
-        cap = int(np.floor(MAX_IMBALANCE * lay.num_tokens / p - CAP_MARGIN))
         counts = lay.token_counts
-        packed = packed_assign(counts, p, cap)
-        caps.append(max(cap, max(int(counts[b].sum()) if b else 0 for b in packed)))
+        if shares is None:
+            cap = int(np.floor(MAX_IMBALANCE * lay.num_tokens / p - CAP_MARGIN))
+            packed = packed_assign(counts, p, cap)
+            caps.append(max(cap, max(int(counts[b].sum()) if b else 0 for b in packed)))
+            continue
+        want = [int(np.floor(MAX_IMBALANCE * t - CAP_MARGIN)) for t in shares.targets(lay.num_tokens)]
+        want = [w if shares.cap(r) is None else min(w, shares.cap(r)) for r, w in enumerate(want)]
+        packed = packed_shares(counts, shares, want)
+        loads = [int(counts[b].sum()) if b else 0 for b in packed]
+        worst = max(x / s for x, s in zip(loads, shares.speed))
+        reach = [int(np.floor(worst * sp)) for sp in shares.speed]  # the packing's modelled time, per rank
+        reach = [x if shares.cap(r) is None else min(x, shares.cap(r)) for r, x in enumerate(reach)]
+        caps.append([max(w, x, ld) for w, x, ld in zip(want, reach, loads)])
     return caps
 
 
@@ -34,16 +48,16 @@ def repair(st: State) -> bool:
     for lay, cap in enumerate(st.caps):
         load = st.load[lay]
         guard = 4 * st.g.n + 16
-        while max(load) > cap and guard > 0:
+        while st.layout_over(lay) and guard > 0:
             guard -= 1
-            r = max(range(p), key=lambda k: (load[k], -k))
-            excess = load[r] - cap
+            r = max(range(p), key=lambda k: (load[k] - cap[k], -k))  # equal caps: the most loaded rank
+            excess = load[r] - cap[r]
             best = None
             for adjacent in (True, False):  # prefer a neighbouring rank; any rank as a last resort
                 for v in by_rank.get((lay, r), []):
                     row, wv = conn[v], w[v]
                     for s in range(p):
-                        if s == r or (adjacent and row[s] == 0) or load[s] + wv > cap:
+                        if s == r or (adjacent and row[s] == 0) or load[s] + wv > cap[s]:
                             continue
                         # least cut increase; then a move that clears the excess; then small windows
                         key = (row[r] - row[s], wv < excess, wv, v, s)
@@ -65,7 +79,12 @@ def place_packed(st: State, lay: int) -> None:
     already hold most of their tokens (a guaranteed-feasible fallback)."""
     g = st.g
     lo = int(g.base[lay])
-    bins = packed_assign(g.layouts[lay].token_counts, st.p, st.caps[lay])
+    if st.shares is not None:  # bins packed for each rank's speed and cap: bin r is rank r's
+        for r, ids in enumerate(packed_shares(g.layouts[lay].token_counts, st.shares, st.caps[lay])):
+            for i in ids:
+                st.move(lo + i, r)
+        return
+    bins = packed_assign(g.layouts[lay].token_counts, st.p, st.caps[lay][0])
     score = [[0] * st.p for _ in bins]
     for b, ids in enumerate(bins):
         for i in ids:
@@ -98,11 +117,13 @@ def affinity_lpt(st: State, lay: int) -> None:
         for u, c in g.nbrs[v]:
             if not lo <= u < hi:
                 pref[st.owner[u]] = (pref[st.owner[u]] or 0) + c
-        fitting = [s for s in range(st.p) if load[s] + st.w[v] <= cap]
+        fitting = [s for s in range(st.p) if load[s] + st.w[v] <= cap[s]]
         if fitting:
             s = max(fitting, key=lambda k: ((pref[k] or 0), -load[k], -k))
-        else:
+        elif st.shares is None:
             s = min(range(st.p), key=lambda k: (load[k], k))
+        else:
+            s = min(range(st.p), key=lambda k: ((load[k] + st.w[v]) / st.shares.speed[k], k))
         load[s] += st.w[v]
         owner[v] = s
     for v, s in owner.items():
@@ -114,12 +135,12 @@ def balance(st: State) -> bool:
     if repair(st):
         return True
     for lay in range(len(st.caps)):
-        if max(st.load[lay]) > st.caps[lay]:
+        if st.layout_over(lay):
             affinity_lpt(st, lay)
     if repair(st):
         return True
     for lay in range(len(st.caps)):
-        if max(st.load[lay]) > st.caps[lay]:
+        if st.layout_over(lay):
             place_packed(st, lay)
     return repair(st)
 

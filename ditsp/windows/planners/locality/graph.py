@@ -1,5 +1,5 @@
 """The partition problem: windows of every layout as vertices, shared tokens as edges, and the
-mutable assignment state (per-rank loads, per-layout caps, cut) every other step edits."""
+mutable assignment state (per-rank loads, per-layout per-rank caps, cut) every other step edits."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ...capacity import Shares
 from ...geometry import WindowLayout
 
 RankWindows = tuple[tuple[int, ...], ...]
@@ -70,9 +71,10 @@ class Graph:
 class State:
     """An assignment of every vertex to a rank, with connectivity and loads."""
 
-    def __init__(self, g: Graph, owner: Sequence[int], p: int, caps: Sequence[int]):
+    def __init__(self, g: Graph, owner: Sequence[int], p: int, caps: Sequence, shares: Shares | None = None):
         self.g, self.p = g, p
-        self.caps = [int(c) for c in caps]
+        self.shares = shares  # None: equal ranks (the plain path); else speeds and token caps
+        self.caps = [[int(c)] * p if np.ndim(c) == 0 else [int(x) for x in c] for c in caps]  # per layout, per rank
         self.owner = [int(r) for r in owner]
         self.layer = g.layer.tolist()
         self.w = g.weight.tolist()
@@ -101,8 +103,8 @@ class State:
 
     def copy(self) -> "State":
         new = object.__new__(State)
-        new.g, new.p, new.layer, new.w = self.g, self.p, self.layer, self.w
-        new.caps = list(self.caps)
+        new.g, new.p, new.layer, new.w, new.shares = self.g, self.p, self.layer, self.w, self.shares
+        new.caps = [list(c) for c in self.caps]
         new.owner = list(self.owner)
         new.load = [list(x) for x in self.load]
         new.conn = [list(x) for x in self.conn]
@@ -110,7 +112,7 @@ class State:
 
     def fits(self, v: int, s: int) -> bool:
         lay = self.layer[v]
-        return self.load[lay][s] + self.w[v] <= self.caps[lay]
+        return self.load[lay][s] + self.w[v] <= self.caps[lay][s]
 
     def cut(self) -> int:
         """Tokens whose two windows sit on different ranks (counted once per edge)."""
@@ -126,4 +128,7 @@ class State:
         return vol
 
     def over(self) -> bool:
-        return any(max(ld) > cap for ld, cap in zip(self.load, self.caps))
+        return any(x > c for ld, cap in zip(self.load, self.caps) for x, c in zip(ld, cap))
+
+    def layout_over(self, lay: int) -> bool:
+        return any(x > c for x, c in zip(self.load[lay], self.caps[lay]))

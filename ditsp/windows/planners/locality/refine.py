@@ -19,7 +19,7 @@ def best_move(st: State, v: int) -> tuple[int, int] | None:
     load, cap = st.load[lay], st.caps[lay]
     best = None
     for s in range(st.p):
-        if s == r or row[s] == 0 or load[s] + wv > cap:
+        if s == r or row[s] == 0 or load[s] + wv > cap[s]:
             continue
         key = (row[s] - row[r], -load[s], -s)
         if best is None or key > best:
@@ -74,11 +74,19 @@ def fm(st: State) -> None:
             break
 
 
+def relaxed(st: State, caps: list[list[int]], relax: float) -> list[list[int]]:
+    """Caps raised by ``relax`` of each rank's share of a layout's tokens (equal ranks: of the mean)."""
+    if st.shares is None:
+        return [[int(c + relax * t / st.p) for c in cap] for cap, t in zip(caps, st.g.totals)]
+    frac = st.shares.fractions()
+    return [[int(c + relax * t * f) for c, f in zip(cap, frac)] for cap, t in zip(caps, st.g.totals)]
+
+
 def refine(st: State) -> bool:
     """FM under gradually tightened caps, then under the real caps, then the peak pass."""
     caps = st.caps
     for relax in RELAX:
-        st.caps = [int(c + relax * t / st.p) for c, t in zip(caps, st.g.totals)]
+        st.caps = relaxed(st, caps, relax)
         if balance(st):
             fm(st)
     st.caps = caps

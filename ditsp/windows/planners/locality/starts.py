@@ -52,8 +52,10 @@ def bisect_cost(g: Graph, order_ids: np.ndarray, cand: np.ndarray) -> np.ndarray
     return cost
 
 
-def rcb(g: Graph, p: int, root_orders: Sequence[int], split_mode: int) -> np.ndarray:
-    """Recursive coordinate bisection of layout 0's windows into ``p`` ranks."""
+def rcb(g: Graph, p: int, root_orders: Sequence[int], split_mode: int,
+        targets: Sequence[float] | None = None) -> np.ndarray:
+    """Recursive coordinate bisection of layout 0's windows into ``p`` ranks (``targets``: each rank's
+    share of the tokens, unequal ranks; None: equal)."""
     lay0 = g.layouts[0]
     unit = np.array(window_size(lay0.grid, lay0.num_windows), dtype=np.float64)
     proj = centroids(lay0) / unit @ np.array(ORDERS, dtype=np.float64).reshape(-1, 3).T
@@ -73,8 +75,13 @@ def rcb(g: Graph, p: int, root_orders: Sequence[int], split_mode: int) -> np.nda
             pj = proj[ids, oi]
             o = ids[np.lexsort((pj[:, 2], pj[:, 1], pj[:, 0]))]
             pre = np.concatenate([[0], np.cumsum(wts[o])])
-            target = pre[-1] * k1 / k
-            slack = SPLIT_SLACK * share * min(k1, k2)
+            if targets is None:
+                target = pre[-1] * k1 / k
+                slack = SPLIT_SLACK * share * min(k1, k2)
+            else:  # the first k1 ranks' share of what this node holds
+                a, b = sum(targets[r0:r0 + k1]), sum(targets[r0 + k1:r0 + k])
+                target = pre[-1] * a / (a + b)
+                slack = SPLIT_SLACK * float(wts.sum()) * min(a, b)
             cand = np.flatnonzero(np.abs(pre - target) <= slack)
             nearest = int(np.argmin(np.abs(pre - target)))
             if nearest not in cand:
@@ -92,7 +99,7 @@ def rcb(g: Graph, p: int, root_orders: Sequence[int], split_mode: int) -> np.nda
     return owner
 
 
-def sectors(g: Graph, p: int, offset: float) -> np.ndarray:
+def sectors(g: Graph, p: int, offset: float, targets: Sequence[float] | None = None) -> np.ndarray:
     """Layout 0's windows cut into ``p`` angular sectors around the grid's (h, w) centre.
 
     Every sector runs through all of t and touches the grid border, so ranks get similar
@@ -105,8 +112,11 @@ def sectors(g: Graph, p: int, offset: float) -> np.ndarray:
     ang = np.mod(np.arctan2(c[:, 1] - mid[1], c[:, 2] - mid[2]) - offset, 2 * np.pi)
     order = np.lexsort((c[:, 0], np.round(ang, 6)))
     pre = np.cumsum(lay0.token_counts[order])
-    targets = pre[-1] * np.arange(1, p) / p
-    cuts = np.concatenate([[0], np.abs(pre[None, :] - targets[:, None]).argmin(axis=1) + 1, [order.size]])
+    if targets is None:
+        goal = pre[-1] * np.arange(1, p) / p
+    else:
+        goal = pre[-1] * np.cumsum(np.asarray(targets, dtype=np.float64))[:-1]
+    cuts = np.concatenate([[0], np.abs(pre[None, :] - goal[:, None]).argmin(axis=1) + 1, [order.size]])
     cuts = np.maximum.accumulate(cuts)
     owner = np.zeros(len(lay0), dtype=np.int64)
     for r in range(p):
