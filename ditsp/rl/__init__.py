@@ -25,14 +25,16 @@ on every rank):
   ``log_probs`` (float64 ``[window length]``: the log-density of each SDE
   step's sample, a mean over the latent's elements), ``frames`` (uint8
   ``[F, H, W, 3]`` or None when not decoded), ``reward`` (float or None).
-- ``Policy``: one rank's transformer under SP on a group, the VAE, the kernel
-  policy. ``Policy.build(models, group=None, deterministic=False)`` from
-  ``load_models(transformer_dir, vae_dir)`` or
+- ``Models(transformer, vae, source)`` from ``load_models(transformer_dir,
+  vae_dir)`` (diffusers ``save_pretrained`` folders, local files only) or
   ``random_models(seed)`` (the seeded tiny Wan of tests and benchmarks);
-  ``policy.weights()`` (a CPU copy of the trainable weights by name),
-  ``policy.load_weights(state)`` (e.g. the previous step's weights: stale-
-  weight exploration), ``policy.velocity(latents, sigma, embeds)``,
-  ``policy.decode(latents) -> uint8 frames``.
+  ``seeded_prompts(n, dim, seed)``: prompt embeddings for tests.
+- ``Policy(models, group=None, deterministic=False)``: one rank's transformer
+  under Ulysses SP on ``group`` (every rank of it builds one), the VAE, the
+  kernel policy. ``policy.weights()`` (a CPU copy of the trainable weights by
+  name), ``policy.load_weights(state)`` (e.g. the previous step's weights:
+  stale-weight exploration), ``policy.velocity(latents, sigma, embeds)``,
+  ``policy.decode(latents) -> uint8 frames``, ``policy.comm`` (the group).
 - ``sample(policy, prompt_embeds, seed, cfg, prompt=0, reward=None,
   ode=False, decode=True) -> Rollout``: one trajectory from ``seed``
   (``prompt_embeds`` ``[1, L, D]``); ``reward`` (a name of
@@ -51,11 +53,12 @@ on every rank):
   grad_clip=1.0, updates=2)``.
 - ``advantages(rewards [P, n], clip) -> [P, n]``: per prompt, (reward - mean)
   / (std + eps), clipped to +-clip.
-- ``step_log_prob(policy, rollout, i, embeds)``: the log-probability (and the
-  SDE mean) of SDE step ``i`` of a rollout under the policy's current weights,
-  with autograd.
-- ``Trainer(policy, cfg, reference=None)``: AdamW on the policy's weights;
-  ``trainer.update(rollouts, advantages, embeds) -> UpdateStats`` runs
+- ``step_log_prob(policy, rollout, i, embeds, sampler) -> (log_prob, mean,
+  std)``: SDE step ``i`` of a rollout under the policy's current weights
+  (autograd follows the caller's mode).
+- ``Trainer(policy, sampler, cfg, reference=None)``: AdamW on the policy's
+  weights; ``trainer.update(rollouts, advantages, prompts, step) ->
+  UpdateStats`` (``prompts[rollout.prompt]`` its embeddings) runs
   ``cfg.updates`` optimizer steps over the rollouts (PPO-clip, KL to
   ``reference`` when ``cfg.kl > 0``); ``UpdateStats.first_ratios`` holds the
   importance ratio of every (rollout, step) pair of the first update.
@@ -63,7 +66,10 @@ on every rank):
 ``loop.py`` (a run)
 
 - ``RLConfig`` (every setting of ``ditsp rl``) and ``run(cfg, group=None,
-  choose_seeds=None, after_step=None) -> report``.
+  choose_seeds=None, after_step=None) -> report``, i.e. ``Run(cfg, group,
+  choose_seeds, after_step).run()``; a ``Run`` also offers its parts:
+  ``run.rollouts(step)`` (scored), ``run.evaluate()`` (the held-out mean
+  reward), ``run.train_step()``, ``run.policy``, ``run.train_prompts``.
 - ``choose_seeds(SeedRequest(step, prompt, n, default)) -> n seeds``: where
   exploration plugs in; ``default`` are the seeds the run uses without it
   (``default_seeds(seed, step, prompt, n)``). Called on every rank; the ranks

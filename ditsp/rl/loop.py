@@ -355,7 +355,13 @@ def plot_rewards(history: list, evals: list, path: Path, reward: str) -> None:
     plt.close(fig)
 
 
+def run(cfg: RLConfig, group=None, choose_seeds: SeedChooser | None = None,
+        after_step: Callable[[int, Policy, UpdateStats], None] | None = None) -> dict:
+    """A whole run on this rank (every rank of ``group`` calls it alike); returns the report."""
+    return Run(cfg, group, choose_seeds, after_step).run()
+
+
 def rank_rl(ctx, cfg: RLConfig) -> dict:
     """Rank function (LocalCluster or torchrun): the run on the context's group."""
     torch.set_num_threads(1)
-    return Run(cfg, ctx.group if ctx.world_size > 1 else None).run()
+    return run(cfg, ctx.group if ctx.world_size > 1 else None)
