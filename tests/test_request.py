@@ -15,7 +15,7 @@ from ditsp.io.testclip import make_test_clip
 from ditsp.io.probe import count_frames, probe
 from ditsp.models.seedvr2 import presets
 from ditsp.models.seedvr2.job import request
-from ditsp.models.seedvr2.pipeline import color_fix
+from ditsp.models.seedvr2.pipeline import color_fix, windows
 from ditsp.models.seedvr2.vae import modes
 from ditsp.weights.fp8 import WEIGHTS_DTYPES
 from ditsp.windows import planners
@@ -24,6 +24,7 @@ from ditsp.windows import planners
 def test_every_list_comes_from_its_owner():
     assert request.VAE_MODES == ("auto",) + modes.MODES
     assert request.COLOR_FIXES == color_fix.METHODS
+    assert request.STITCHES == windows.STITCHES and request.default("stitch") in windows.STITCHES
     assert request.PLANNERS == tuple(planners.PLANNERS)
     assert request.DTYPE_NAMES == tuple(DTYPES)
     assert request.WEIGHTS_DTYPES == WEIGHTS_DTYPES
@@ -38,6 +39,7 @@ def _choices(parser: argparse.ArgumentParser) -> dict:
 def test_the_cli_offers_exactly_the_request_lists():
     p = upscale_cmd.add_parser(argparse.ArgumentParser().add_subparsers())
     assert _choices(p) == {"model": request.MODELS, "color_fix": request.COLOR_FIXES, "vae_mode": request.VAE_MODES,
+                           "stitch": request.STITCHES,
                            "dtype": request.DTYPE_NAMES, "weights_dtype": request.WEIGHTS_DTYPES,
                            "planner": request.PLANNERS, "weights_read": request.WEIGHTS_READS}
 
@@ -48,6 +50,7 @@ def test_the_server_offers_exactly_the_request_lists():
     assert OPTIONS is request.HTTP_OPTIONS
     assert OPTIONS["format"][1] == request.OUTPUT_FORMATS and "mkv" in OPTIONS["format"][1]
     assert OPTIONS["vae_mode"][1] == request.VAE_MODES and OPTIONS["planner"][1] == request.PLANNERS
+    assert OPTIONS["stitch"][1] == request.STITCHES and OPTIONS["color_fix"][1] == request.COLOR_FIXES
 
 
 def test_http_options_are_typed_and_named():

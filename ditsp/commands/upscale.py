@@ -55,7 +55,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="temporal window in frames (kn+1, k the VAE's time factor: 4 for the released models, "
                         "1 for tiny); 0 = the whole clip in one window")
     p.add_argument("--overlap", type=int, default=_d("overlap"),
-                   help="frames shared (and cross-faded) by consecutive windows")
+                   help="frames shared (and stitched) by consecutive windows")
+    p.add_argument("--stitch", default=_d("stitch"), choices=request.STITCHES,
+                   help="how consecutive windows join: cosine (decoded pixels cross-faded with a raised cosine), "
+                        "hann (each window's pixels weighted by a Hann window over its length), latent (the "
+                        "windows' latents blended, the clip decoded once as one causal stream)")
     p.add_argument("--vae-mode", default=_d("vae_mode"), choices=request.VAE_MODES,
                    help="auto: the first exact mode that fits what the budget leaves after the DiT "
                         "(ditsp/models/seedvr2/vae/modes.py)")

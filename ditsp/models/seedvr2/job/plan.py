@@ -5,7 +5,7 @@ count) and the request's settings into a :class:`RestorationPlan`: the output
 geometry, the temporal windows, each window's padded length, latent shape and
 DiT token grid (from the model's own VAE and DiT configs, never from constants),
 the VAE mode each window runs (``auto`` resolved here, once, with the reason),
-the DiT's SP path, the kernel policy, and the per-rank memory estimate with the
+the DiT's SP path, the kernel policy, how the windows are stitched, and the per-rank memory estimate with the
 budget it was held against. The ranks, the estimate's line, ``ditsp upscale``'s
 summary and the server's warm-up all read it; none recomputes it.
 
@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass
 
 from ..pipeline.padding import padded_length
 from ..pipeline.sizing import FrameGeometry, frame_geometry
-from ..pipeline.windows import WindowPlan, plan_windows
+from ..pipeline.windows import STITCHES, WindowPlan, plan_windows
 from ..presets import vae_config
-from ..vae.modes import AUTO
+from ..vae.modes import AUTO, BY_NAME
 from .budget import Estimate, GiB, choose_vae_mode, estimate
 from .sizing import clip_grid, crop_multiple
 
@@ -80,8 +80,10 @@ class RestorationPlan:
 
     def describe(self) -> str:
         modes = sorted({s.vae_mode for s in self.steps})
+        stitched = f" stitched {self.windows.stitch}" if len(self.steps) > 1 else ""
         return (f"{self.frames} frame(s), {self.geometry.describe()}, {len(self.steps)} window(s) of up to "
-                f"{self.window_frames} frames, latent {self.steps[0].latent}, VAE {'/'.join(modes)}, SP={self.sp}")
+                f"{self.window_frames} frames{stitched}, latent {self.steps[0].latent}, VAE {'/'.join(modes)}, "
+                f"SP={self.sp}")
 
     def memory_line(self) -> str:
         return f"memory estimate: {self.memory.describe()}; budget {self.budget / GiB:.2f} GiB per rank"
@@ -89,7 +91,8 @@ class RestorationPlan:
 
 def build(*, model: str, dtype: str, in_width: int, in_height: int, frames: int, area, size, window_frames: int,
           overlap: int, seed: int, sp: int, vae_mode: str, vae_chunk: int, planner: str | None, deterministic: bool,
-          budget: int, weights=None, winograd_filters: bool = False, vae_backend: str = "cuda") -> RestorationPlan:
+          budget: int, weights=None, winograd_filters: bool = False, vae_backend: str = "cuda",
+          stitch: str = STITCHES[0]) -> RestorationPlan:
     """The plan of one restoration (``area``/``size``: the output as ``frame_geometry`` takes them; ``weights``:
     the DiT's weights as kept, :func:`.weight_memory.dit_weights`). ValueError (one line) for what cannot
     run; the memory estimate is advice, held against ``budget`` by the request's check."""
@@ -99,7 +102,7 @@ def build(*, model: str, dtype: str, in_width: int, in_height: int, frames: int,
         raise ValueError(f"{geo.describe()}: the output is smaller than one {multiple}x{multiple} block after the crop")
     k = vae.temporal_factor
     window = min(window_frames or padded_length(frames, k), padded_length(frames, k))
-    windows = plan_windows(frames, window, min(overlap, window - 1), seed, temporal_factor=k)
+    windows = plan_windows(frames, window, min(overlap, window - 1), seed, temporal_factor=k, stitch=stitch)
     est = estimate(model, dtype, window, geo.out_hw, sp, vae_mode, budget, vae_chunk, weights=weights,
                    winograd_filters=winograd_filters, vae_backend=vae_backend)
     left = budget - (est.total - est.vae)  # what the VAE may use after everything else the rank holds
@@ -108,6 +111,9 @@ def build(*, model: str, dtype: str, in_width: int, in_height: int, frames: int,
         padded, latent, grid = clip_grid(model, w.length, geo.out_hw)
         mode, why = choose_vae_mode(model, dtype, (padded, *geo.out_hw), sp, vae_mode, left, vae_chunk,
                                     winograd_filters=winograd_filters, vae_backend=vae_backend)
+        if stitch == "latent" and not BY_NAME[mode].exact:
+            raise ValueError(f"the latent stitch decodes the clip as one stream, which needs an exact VAE mode: "
+                             f"window {w.index + 1} would run {mode} ({why}); use --stitch cosine or more memory")
         steps.append(WindowStep(w.index, w.start, w.stop, w.seed, padded, latent, grid, mode, why))
     return RestorationPlan(model, sp, frames, geo, windows, tuple(steps), planner, deterministic, vae_chunk, est,
                            budget)

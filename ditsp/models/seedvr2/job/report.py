@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from ..pipeline.color_drift import format_color_drift
 from ..pipeline.seams import format_seams
 
 STAGES = ("read", "vae_encode", "dit", "vae_decode", "color_fix", "write")
@@ -50,6 +51,8 @@ def format_report(s: dict) -> str:
     lines.append(f"bytes moved (all ranks): {s['bytes_moved'] / 2**20:.2f} MiB; frames sha256 {s['sha256'][:16]}")
     if s.get("seams"):
         lines.append(format_seams(s["seams"]))
+    if s.get("color_drift"):
+        lines.append(format_color_drift(s["color_drift"]))
     return "\n".join(lines)
 
 

@@ -8,7 +8,7 @@ options; its flags' defaults are :class:`Options`' own, :func:`default`), then
 line, and :func:`check_memory` holds the plan's per-rank memory against its
 budget. The ranks read the plan; nothing downstream derives a size again. Every list of allowed values comes from the
 module that owns it (formats: ``ditsp.io.formats``; VAE modes:
-``vae/modes.py``; colour fixes: ``pipeline/color_fix.py``; planners:
+``vae/modes.py``; colour fixes: ``pipeline/color_fix.py``; stitches: ``pipeline/windows.py``; planners:
 ``ditsp.windows.planners``; dtypes: ``ditsp.dtypes``; models and the default
 dtype: ``weights.py``), so a front door never offers what the job refuses.
 """
@@ -29,6 +29,7 @@ from ....weights.fp8 import WEIGHTS_DTYPES
 from ....weights.shared import READS as WEIGHTS_READS
 from ....windows.planners import PLANNERS as _PLANNER_TABLE
 from ..pipeline.color_fix import METHODS as COLOR_FIXES
+from ..pipeline.windows import STITCHES
 from ..vae.modes import AUTO
 from ..vae.modes import CHOICES as VAE_MODES
 from ..presets import OFFERED as MODELS
@@ -42,7 +43,7 @@ from ....distributed.torchrun import under_torchrun
 from .weight_memory import dit_weights
 from . import plan as restoration_plan
 
-__all__ = ["COLOR_FIXES", "DTYPE_NAMES", "HTTP_OPTIONS", "MODELS", "OUTPUT_FORMATS", "PLANNERS", "VAE_MODES",
+__all__ = ["COLOR_FIXES", "DTYPE_NAMES", "HTTP_OPTIONS", "MODELS", "OUTPUT_FORMATS", "PLANNERS", "STITCHES", "VAE_MODES",
            "WEIGHTS_DTYPES", "WEIGHTS_READS", "Checked", "Options", "UpscaleRequest", "check", "check_memory", "default",
            "frames_info", "from_args", "from_http", "parse_http_options", "prepare"]
 
@@ -115,6 +116,7 @@ class Options:
     color_fix: str = "wavelet"
     window_frames: int = 0
     overlap: int = 4
+    stitch: str = STITCHES[0]  # how consecutive windows are joined (pipeline/windows.py)
     vae_mode: str = AUTO
     vae_chunk: int = 1
     planner: str | None = None
@@ -149,7 +151,7 @@ def from_args(args) -> Options:
 # HTTP option -> (type, allowed values or None); everything else is refused
 HTTP_OPTIONS = {
     "resolution": (str, None), "scale": (float, None), "size": (str, None), "seed": (int, None),
-    "color_fix": (str, COLOR_FIXES), "window_frames": (int, None), "overlap": (int, None),
+    "color_fix": (str, COLOR_FIXES), "window_frames": (int, None), "overlap": (int, None), "stitch": (str, STITCHES),
     "vae_mode": (str, VAE_MODES), "vae_chunk": (int, None), "planner": (str, PLANNERS), "crf": (int, None),
     "fps": (float, None), "format": (str, OUTPUT_FORMATS),
 }
@@ -266,6 +268,7 @@ def check(o: Options, in_memory: torch.Tensor | None = None) -> Checked:
         check_policy(o.deterministic)
     _choice("--model", o.model, MODELS)
     _choice("--color-fix", o.color_fix, COLOR_FIXES)
+    _choice("--stitch", o.stitch, STITCHES)
     _choice("--vae-mode", o.vae_mode, VAE_MODES)
     if o.planner is not None:
         _choice("--planner", o.planner, PLANNERS)
@@ -294,7 +297,7 @@ def check(o: Options, in_memory: torch.Tensor | None = None) -> Checked:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plan = restoration_plan.build(
         model=o.model, dtype=dtype, in_width=info.width, in_height=info.height, frames=frames, area=area, size=size,
-        window_frames=o.window_frames, overlap=o.overlap, seed=o.seed, sp=o.sp, vae_mode=o.vae_mode,
+        window_frames=o.window_frames, overlap=o.overlap, stitch=o.stitch, seed=o.seed, sp=o.sp, vae_mode=o.vae_mode,
         vae_chunk=o.vae_chunk, planner=o.planner, deterministic=o.deterministic,
         budget=budget_bytes(o.max_memory, o.sp), weights=kept,
         winograd_filters=counts_winograd(device, o.deterministic), vae_backend=backend_of(device, o.deterministic))

@@ -12,10 +12,12 @@ Every rank of the SP group runs :func:`rank_upscale` on the same request:
    in the plan's mode (:class:`..vae.sharded.ParallelVAE`), posterior sample x
    the VAE's scaling factor with noise from the window's seed; the DiT's input
    ``[noise | LQ latent | 1]``; one DiT step at t = 1000 under window-aligned
-   SP; ``x0 = noise - v``; unscale, decode on the group; drop the padded frames;
+   SP; ``x0 = noise - v``; unscale, decode on the group (:class:`.stitch.WindowDecoder`: the window alone,
+   or the latent stitch's final frames of the clip's one latent timeline); drop the padded frames;
    colour fix against the window's input;
-3. cross-fade overlapping windows (:class:`.pipeline.windows.StreamingBlender`)
-   and, on rank 0, write finished frames as they come (atomic: a temporary file
+3. cross-fade overlapping windows (:class:`.pipeline.windows.StreamingBlender`; the latent stitch needs
+   none) and, on rank 0, measure the seams and the colour drift (:mod:`..pipeline.seams`,
+   :mod:`..pipeline.color_drift`) and write finished frames as they come (atomic: a temporary file
    renamed at the end; the input's audio is copied).
 
 A request whose input is held in memory (``req.frames``: a host such as the
@@ -55,6 +57,7 @@ from ....memory import PeakMemory
 from ....windows.ownership import RowOwnership
 from ..parallelize import parallelize
 from ..pipeline import (
+    PIXEL_STITCHES,
     SeamMeter,
     StreamingBlender,
     apply_color_fix,
@@ -68,6 +71,8 @@ from ..pipeline import (
     to_uint8,
     transform_frames,
 )
+from ..pipeline.color_drift import ColorDrift
+from .stitch import WindowDecoder
 from .request import UpscaleRequest, frames_info  # noqa: F401 - the request lives in .request; re-exported
 from ..vae.modes import SLAB_MODES
 from ..weights import load
@@ -221,13 +226,15 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
     pvae = ParallelVAE(vae, comm, chunk=plan.vae_chunk)
     runtimes: dict = {}
     st = _Stages(device)
-    blender = StreamingBlender(windows, out_dtype=torch.float32)
+    blender = StreamingBlender(windows, out_dtype=torch.float32) if windows.stitch in PIXEL_STITCHES else None
+    decoder = WindowDecoder(pvae, windows)
     writer = None
     kept: list[torch.Tensor] | None = [] if req.frames is not None else None  # the in-memory output (rank 0)
     is_image = info.kind == "image"
     rank0 = ctx.rank == 0
     digest = hashlib.sha256()
     seams = SeamMeter(windows.seams())  # measured on the written frames as they go
+    drift = ColorDrift()  # against the input's upscale, per window
     written = 0
     samples_in, samples_out = [], []
     vae_reports, dit_report = set(), ""
@@ -268,26 +275,31 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
             vae_reports.update(f"VAE {op} mode {win.vae_mode} (SP={ctx.world_size}, {win.vae_reason}{via})"
                                for op in ("encode", "decode"))
             step = _sharded_window if handed else _whole_window
-            decoded, dit_report = step(ctx, models, pvae, runtimes, plan, deterministic, st, win, xp, g,
-                                       lambda stage: advance(f"{of} {stage}"))
+            decoded, first, dit_report = step(ctx, models, pvae, runtimes, plan, deterministic, st, win, xp, g,
+                                              lambda stage: advance(f"{of} {stage}"), decoder)
             advance(f"{of} decoded")
             if not rank0:
                 _all_ok(comm)
                 continue
-            content = decoded[0, :, :n].permute(1, 0, 2, 3)  # (T, 3, H, W), padding dropped
-            fixed = st.run("color_fix", win.index, apply_color_fix, content, x.permute(1, 0, 2, 3), req.color_fix)
-            ready = blender.push(win.index, fixed.float())
+            a = first - win.start  # the decoded frames are the window's [a, a + count): the padding dropped
+            count = min(decoded.shape[2], n - a)
+            content = decoded[0, :, :count].permute(1, 0, 2, 3)  # (T, 3, H, W)
+            fixed = st.run("color_fix", win.index, apply_color_fix, content, x[:, a:a + count].permute(1, 0, 2, 3),
+                           req.color_fix)
+            ready = fixed.float() if blender is None else blender.push(win.index, fixed.float())
             advance(f"{of} colour fixed")
             if ready.shape[0]:
                 out = to_uint8(ready).cpu()
                 digest.update(out.numpy().tobytes())
+                at = written - win.start  # the input's upscale of the same frames: the colour drift's reference
+                src = to_uint8(x[:, at:at + out.shape[0]].permute(1, 0, 2, 3)).cpu()
                 seams.add(out)
+                drift.add(win.index, out, src)
                 if len(samples_out) < req.sample_frames:
                     k = min(req.sample_frames - len(samples_out), out.shape[0])
                     idx = torch.linspace(0, out.shape[0] - 1, k).round().long()
                     samples_out += [out[i] for i in idx]
-                    src = to_uint8(x.permute(1, 0, 2, 3)).cpu()
-                    samples_in += [src[written - win.start + i] for i in idx]
+                    samples_in += [src[i] for i in idx]
                 if kept is not None:
                     kept.append(out)
                 elif is_image:
@@ -298,7 +310,7 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
             if writer is not None:
                 writer.check()  # an earlier window's write error: raised here, before every rank's boundary
             _all_ok(comm)
-        if rank0:
+        if rank0 and blender is not None:
             blender.flush()
         if writer is not None:
             writer.finish()
@@ -332,7 +344,7 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
             "geometry": geo.describe(), "output_size": [geo.out_width, geo.out_height],
             "windows": [[w.start, w.stop] for w in plan.steps], "dit_path": dit_report, "media_notes": media_notes,
             "vae_modes": sorted(vae_reports), "sha256": digest.hexdigest(), "timeline": st.timeline,
-            "seams": seams.report(),
+            "seams": seams.report(), "color_drift": drift.report(),
             "samples": (torch.stack(samples_in), torch.stack(samples_out)) if samples_out else None,
         })
         if kept is not None:
@@ -352,7 +364,8 @@ def _request_record(req: UpscaleRequest) -> dict:
     d = {k: v for k, v in asdict(replace(req, frames=None)).items() if k not in ("plan", "frames")}
     p = req.plan
     d.update(sp=p.sp, deterministic=p.deterministic, planner=p.planner, vae_chunk=p.vae_chunk,
-             window_frames=p.window_frames, overlap=p.windows.overlap, seed=p.steps[0].seed if p.steps else None,
+             window_frames=p.window_frames, overlap=p.windows.overlap, stitch=p.windows.stitch,
+             seed=p.steps[0].seed if p.steps else None,
              output_size=[p.geometry.out_width, p.geometry.out_height])
     return d
 
@@ -392,7 +405,7 @@ def _grid(dit, win, latent_shape) -> tuple[int, int, int]:
     return grid
 
 
-def _whole_window(ctx, models, pvae, runtimes, plan, deterministic, st, win, xp, g, advance):
+def _whole_window(ctx, models, pvae, runtimes, plan, deterministic, st, win, xp, g, advance, decoder):
     """Every rank holds the whole latent (replicated / chunked / time VAE modes): the DiT scatters and gathers."""
     dit, vae = models.dit, models.vae
 
@@ -411,11 +424,11 @@ def _whole_window(ctx, models, pvae, runtimes, plan, deterministic, st, win, xp,
     advance("DiT done")
     z = decoder_latent(one_step_x0(noise, v), dtype=vae.dtype)
     z = z if z.dim() == 5 else z.unsqueeze(2)
-    decoded = st.run("vae_decode", win.index, lambda: pvae.decode(z, win.vae_mode))
-    return decoded, rt.report(heads=dit.cfg.heads)
+    decoded, first = st.run("vae_decode", win.index, lambda: decoder.whole(win, z))
+    return decoded, first, rt.report(heads=dit.cfg.heads)
 
 
-def _sharded_window(ctx, models, pvae, runtimes, plan, deterministic, st, win, xp, g, advance):
+def _sharded_window(ctx, models, pvae, runtimes, plan, deterministic, st, win, xp, g, advance, decoder):
     """Height-sharded VAE: each rank's latent slab goes straight to the DiT's windows and back, then its
     decoded pixel rows go to rank 0 (the writer). The whole latent is never held by one rank."""
     dit, vae = models.dit, models.vae
@@ -442,12 +455,12 @@ def _sharded_window(ctx, models, pvae, runtimes, plan, deterministic, st, win, x
     z = z if z.dim() == 5 else z.unsqueeze(2)
 
     def decode():
-        mine = pvae.decode_slab(z, layout, chunked=mode == "height+chunks", gather=False)  # (1, 3, T, rows, W)
+        mine, first = decoder.slab(win, z, layout)  # (1, 3, T, rows, W)
         counts = [b - a for a, b in layout.pixel_rows(vae.cfg.spatial_factor)]
-        return _rows_to_rank0(rt.transport, mine, counts)
+        return _rows_to_rank0(rt.transport, mine, counts), first
 
-    decoded = st.run("vae_decode", win.index, decode)
-    return decoded, rt.report(heads=dit.cfg.heads)
+    decoded, first = st.run("vae_decode", win.index, decode)
+    return decoded, first, rt.report(heads=dit.cfg.heads)
 
 
 def _rows_to_rank0(link: Transport, video: torch.Tensor, counts: list[int]) -> torch.Tensor | None:

@@ -28,10 +28,12 @@ from .padding import pad_frames, padded_length, reference_pad, reference_padded_
 from .sizing import FrameGeometry, frame_geometry
 from .transform import area_resize, area_size, center_crop, crop_box, resize_bicubic, to_uint8, transform_frames
 from .seams import SeamMeter, seam_measure, seam_report
-from .windows import STITCHES, StreamingBlender, Window, WindowPlan, blend_windows, frame_weights, plan_windows
+from .windows import (PIXEL_STITCHES, STITCHES, StreamingBlender, Window, WindowPlan, blend_windows, frame_weights,
+                      plan_windows)
 
 __all__ = [
     "COLOR_FIX_METHODS",
+    "PIXEL_STITCHES",
     "STITCHES",
     "FrameGeometry",
     "StreamingBlender",

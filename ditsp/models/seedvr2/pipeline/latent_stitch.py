@@ -80,10 +80,11 @@ class LatentStitch:
     def done(self) -> bool:
         return self._next == len(self.plan)
 
-    def window(self, index: int, z: torch.Tensor, decode: Decode) -> tuple[torch.Tensor | None, int]:
+    def window(self, index: int, z: torch.Tensor, decode: Decode) -> tuple[torch.Tensor, int]:
         """Blend window ``index``'s latent ``z`` (B, C, t, ...) in and decode the frames now final.
 
-        Returns (the decoded pixels, or None when no frame became final; the clip frame of their first).
+        Returns (the decoded pixels, the clip frame of their first). Every window hands out at least one
+        frame: the next window starts later on the timeline.
         """
         if index != self._next:
             raise ValueError(f"windows must be stitched in order: expected window {self._next}, got {index}")
@@ -101,13 +102,14 @@ class LatentStitch:
             acc[:, :, :held] += self._acc
         acc[:, :, offset:offset + part.shape[2]] += part
         final = self.placed[index + 1][1] if index + 1 < len(self.placed) else self.frames
-        n = max(0, final - self._emitted)
+        n = final - self._emitted
+        if n <= 0:
+            raise RuntimeError("the window plan hands no latent frame out")  # cannot happen with plan_windows
         first = pixel_range(self._emitted, final, self.k)[0]
-        pixels, carry = (None, self.carry) if n <= 0 else decode(acc[:, :, :n], self._emitted, self.carry,
-                                                                            final == self.frames)
+        pixels, carry = decode(acc[:, :, :n], self._emitted, self.carry, final == self.frames)
         # commit: only now that the decode returned
         self._acc = acc[:, :, n:].clone() if acc.shape[2] > n else None
-        self._emitted = max(self._emitted, final)
+        self._emitted = final
         self.carry = carry
         self._next += 1
         return pixels, first
