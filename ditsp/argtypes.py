@@ -73,6 +73,17 @@ def positive_int_list(text: str) -> list[int]:
     return [_list_item(v, text) for v in items]
 
 
+def rank_numbers(text: str) -> tuple[float, ...]:
+    """argparse type: comma-separated finite numbers > 0, one per rank in rank order (e.g. ``32,24``); the
+    count is checked against the SP degree by the command."""
+    from .windows.capacity import parse_list  # local: argtypes loads with every command
+
+    try:
+        return parse_list(text, "expected")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("expected: ")) from None
+
+
 def _list_item(v: str, text: str) -> int:
     try:
         n = int(v)

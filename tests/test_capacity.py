@@ -197,3 +197,50 @@ def test_locality_with_shares_is_deterministic():
     lays = [window_layout((21, 45, 80), m) for m in METHODS]
     shares = Shares((1.0, 0.6, 0.6))
     assert locality_assign(lays, 3, shares) == locality_assign(lays, 3, shares)
+
+
+# -- ditsp plan --------------------------------------------------------------------------------------------
+
+
+def _plan_json(capsys, *args):
+    import json
+
+    from ditsp.cli import main
+
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_for_a_32_and_a_24_gib_card(capsys):
+    """The issue's case: 1080p, 81 frames, SP 2 on 32 + 24 GiB: unequal tokens and memory, each within its
+    rank's memory, a shorter modelled forward than the equal split's."""
+    out = _plan_json(capsys, "--resolution", "1920x1080", "--frames", "81", "--sp", "2", "--rank-memory", "32,24")
+    assert out["capacities"] == {"speed": [1.0, 0.75], "memory_gib": [32.0, 24.0]}
+    r0, r1 = out["per_rank"]["ranks"]
+    assert r0["tokens"] > r1["tokens"] and r0["memory"] > r1["memory"]
+    assert r0["fits"] and r1["fits"] and r0["memory"] <= 32 * GiB and r1["memory"] <= 24 * GiB
+    assert r0["tokens"] / r1["tokens"] == pytest.approx(1 / 0.75, rel=0.02)  # in proportion to speed
+    assert out["per_rank"]["modelled_time"] < out["equal_split"]["modelled_time"]
+    assert out["layouts"]["regular"]["rank_tokens"][0] > out["layouts"]["regular"]["rank_tokens"][1]
+
+
+def test_plan_moves_tokens_off_a_rank_whose_memory_is_short(capsys):
+    """Equal speeds, but rank 1's 10 GiB holds fewer tokens than an equal share: it gets what it holds."""
+    out = _plan_json(capsys, "--resolution", "1920x1080", "--frames", "81", "--sp", "2", "--rank-memory", "32,10",
+                     "--rank-speed", "1,1", "--planner", "locality")
+    eq, pr = out["equal_split"], out["per_rank"]
+    assert eq["fits"] is False and eq["ranks"][1]["fits"] is False
+    assert pr["fits"] is True and pr["ranks"][1]["memory"] <= 10 * GiB < eq["ranks"][1]["memory"]
+    from ditsp.cli import main
+
+    assert main(["plan", "--resolution", "1920x1080", "--frames", "81", "--sp", "2", "--rank-memory", "32,10",
+                 "--rank-speed", "1,1"]) == 0
+    text_out = capsys.readouterr().out
+    assert "every rank fits (equal split:" in text_out and "does not fit)" in text_out
+
+
+def test_plan_without_capacities_is_unchanged(capsys):
+    out = _plan_json(capsys, "--resolution", "1920x1080", "--frames", "81", "--sp", "2")
+    assert "per_rank" not in out and "capacities" not in out
+    same = _plan_json(capsys, "--resolution", "1920x1080", "--frames", "81", "--sp", "2", "--rank-memory", "24,24")
+    assert same["layouts"] == out["layouts"] and same["per_rank"]["modelled_time"] == same["equal_split"]["modelled_time"]

@@ -15,6 +15,7 @@ from ..argtypes import (  # noqa: F401 - the argument types live in ditsp.argtyp
     positive_float,
     positive_int,
     positive_int_list,
+    rank_numbers,
 )
 from ..fixed_shape import DEFAULT_DETERMINISTIC
 from ..models.seedvr2.job.sizing import RELEASED_MODEL, parse_grid, parse_resolution, request_grid
@@ -36,6 +37,32 @@ def add_plan_limit_args(p: argparse.ArgumentParser) -> None:
                    help="refuse requests whose planning is estimated to need more (default 4 GiB)")
     p.add_argument("--max-plan-seconds", type=positive_float, metavar="S",
                    help="refuse requests whose planning is estimated to take longer (default 600 s)")
+
+
+def add_capacity_args(p: argparse.ArgumentParser, detected: bool) -> None:
+    """``--rank-memory`` / ``--rank-speed``: each rank's capacity, for a group of unequal devices
+    (:mod:`ditsp.windows.capacity`); ``detected``: what the command uses when not given."""
+    unset = "each rank's free memory, agreed by every rank" if detected else "no rank held to a memory figure"
+    p.add_argument("--rank-memory", type=rank_numbers, metavar="GiB,...",
+                   help=f"memory each rank may use, in rank order, e.g. 32,24 (default: {unset})")
+    p.add_argument("--rank-speed", type=rank_numbers, metavar="X,...",
+                   help="relative speed of each rank, e.g. 1,0.55: work is split in proportion, each rank's "
+                        "modelled time its tokens / speed (default: each rank's memory over the largest, to "
+                        "0.01: equal memory, equal speed)")
+
+
+def check_capacities(parser: argparse.ArgumentParser, args: argparse.Namespace, sp: int):
+    """The :class:`~ditsp.windows.capacity.Capacities` of ``--rank-memory`` / ``--rank-speed`` (None when
+    neither is given); a count that is not ``sp``: one line on stderr."""
+    from ..windows.capacity import GiB, Capacities
+
+    memory, speed = getattr(args, "rank_memory", None), getattr(args, "rank_speed", None)
+    if memory is None and speed is None:
+        return None
+    for flag, values in (("--rank-memory", memory), ("--rank-speed", speed)):
+        if values is not None and len(values) != sp:
+            parser.error(f"{flag}: {len(values)} value(s) for --sp {sp}; give one per rank")
+    return Capacities.of(sp, None if memory is None else [int(m * GiB) for m in memory], speed)
 
 
 def add_deterministic_arg(p: argparse.ArgumentParser, default: bool = DEFAULT_DETERMINISTIC) -> None:

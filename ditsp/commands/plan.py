@@ -10,8 +10,8 @@ from ..models.gpus import gpu as gpu_row
 from ..models.seedvr2.job.sizing import RELEASED_MODEL
 from ..models.seedvr2.presets import dit_config
 from ..weights.sizing import ESTIMATE_FORMATS
-from .common import (add_model_arg, add_plan_limit_args, add_request_args, check_layers, check_output_file,
-                     check_plan_size, check_planner, positive_int, resolve_grid)
+from .common import (add_capacity_args, add_model_arg, add_plan_limit_args, add_request_args, check_capacities,
+                     check_layers, check_output_file, check_plan_size, check_planner, positive_int, resolve_grid)
 
 REPORT_BYTES_PER_PAIR = 24  # the JSON report's count matrices: a list slot and a few characters per entry
 
@@ -34,6 +34,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--weights-dtype", default="bf16", choices=list(ESTIMATE_FORMATS),
                    help="how the DiT's weights are stored on each rank, for the memory estimate (FP8 and GGUF: "
                         "quantized, plus one layer's dequantization buffer)")
+    add_capacity_args(p, detected=False)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--compact", action="store_true", help="JSON on one line")
     p.add_argument("--plot", metavar="FILE.png", help="write a picture of the plan")
@@ -47,13 +48,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..models.seedvr2.job.plan_report import format_summary, plan_request, summarize
+    from ..models.seedvr2.job.plan_report import format_summary, plan_for, plan_request, summarize
     from ..windows.planners import planner_names
     from ..windows.schedule import plan_limits
 
     check_layers(parser, args.layers, args.model)
     check_planner(parser, args.planner, allow_all=True)
     check_output_file(parser, args.plot, "--plot")
+    caps = check_capacities(parser, args, args.sp)
     grid, notes = resolve_grid(args, parser, args.model)
     cfg = dit_config(args.model, args.layers)
     planners = planner_names() if args.planner == "all" else [args.planner]
@@ -67,11 +69,13 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with plan_limits(args.max_plan_memory, args.max_plan_seconds):
         for name in planners:
             try:
-                schedule = plan_request(grid, cfg, args.sp, name)
+                schedule = plan_request(grid, cfg, args.sp, name) if caps is None else \
+                    plan_for(grid, cfg, caps, name, weights)
+                even = None if caps is None else plan_request(grid, cfg, args.sp, name)
             except ValueError as e:
                 parser.error(str(e))
             schedules.append(schedule)
-            summaries.append(summarize(schedule, cfg, weights))
+            summaries.append(summarize(schedule, cfg, weights, caps, even))
         sizing = _gpu_sizing(args, parser, grid, cfg) if args.gpu else None
     if args.json:
         out = summaries[0] if len(summaries) == 1 else {s["planner"]: s for s in summaries}

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from ....dtypes import DTYPES, itemsize
 from ....memory import available_bytes  # noqa: F401 - re-exported for the upscale command
-from ..vae.modes import AUTO
+from ..vae.modes import AUTO, AUTO_ORDER, BY_NAME, FALLBACK
+from ....windows.capacity import Capacities, Shares, proportional_split
 from ..presets import dit_config, vae_config
 from ....weights.sizing import WeightBytes
 from ..pipeline.padding import padded_length
@@ -85,6 +86,70 @@ def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: i
                           backend=vae_backend)
              for op in ("encode", "decode")), key=lambda m: m.total)
     return Estimate(kept, dit_act, latents, int(v.total), mode, buffer, fmt, v.filters)
+
+
+def rank_estimates(model: str, dtype: str, frames: int, out_hw: tuple[int, int], caps: Capacities,
+                   vae_mode: str = "auto", vae_chunk: int = 1, weights: WeightBytes | None = None,
+                   winograd_filters: bool = False, vae_backend: str = "cuda",
+                   ) -> tuple[tuple[Estimate, ...], tuple[int, ...] | None]:
+    """Per rank of ``caps`` (its memory the rank's budget, None: no budget), the modelled peak of one window,
+    and the DiT token caps the window planners must keep (None: none needed).
+
+    Equal ranks: :func:`estimate` for every rank, no caps. Unequal ones: the VAE's height slabs and the DiT's
+    tokens in proportion to speed; ``auto`` takes the first mode of the VAE's order (exact ones, then tiled)
+    for which every rank's VAE peak plus its share of the DiT fits its own budget, where the DiT's tokens
+    may move off a rank whose memory is short onto ranks with room (each rank's cap: the tokens what its
+    budget leaves after the weights, the latents and its VAE peak holds). When no mode fits, the split in
+    proportion to speed in the requested mode (``auto``: tiled), so the estimate shows what does not fit."""
+    n = caps.world_size
+    budgets = caps.memory
+    if caps.even and caps.uniform_memory:
+        e = estimate(model, dtype, frames, out_hw, n, vae_mode, None if budgets is None else budgets[0], vae_chunk,
+                     weights=weights, winograd_filters=winograd_filters, vae_backend=vae_backend)
+        return (e,) * n, None
+    cfg, vcfg = dit_config(model), vae_config(model)
+    e = itemsize(dtype)
+    T = padded_length(frames, vcfg.temporal_factor)
+    H, W = out_hw
+    t, h, w = vcfg.latent_shape(T, H, W)
+    _, ph, pw = cfg.patch_size
+    tokens = t * (h // ph) * (w // pw)
+    per_token = (6 * cfg.vid_dim + 2 * cfg.mlp_hidden) * e  # as :func:`estimate`
+    c = vcfg.latent_channels
+    latents = int(t * h * w * (c * 4 + 2 * c + 1) * 4)
+    kept, buffer, fmt = (cfg.param_count() * e, 0, "") if weights is None else (weights.kept, weights.buffer,
+                                                                              weights.fmt)
+    rows = proportional_split(h, caps.speed, minimum=1)  # the VAE's slabs (vae/layouts.py SlabLayout)
+    order = AUTO_ORDER + FALLBACK if vae_mode == AUTO else (vae_mode,)
+
+    def vae_peaks(mode: str) -> list:
+        slab = BY_NAME[mode].slab
+        return [max((vae_estimate(vcfg, op, (T, H, W), n, mode, DTYPES[dtype], vae_chunk, rows=rows[r] if slab else None,
+                                  winograd_filters=winograd_filters, backend=vae_backend) for op in ("encode", "decode")),
+                    key=lambda m: m.total) for r in range(n)]
+
+    def estimates(mode, vae, dit_tokens):
+        return tuple(Estimate(kept, int(k * per_token), latents, int(v.total), mode, buffer, fmt, v.filters)
+                     for k, v in zip(dit_tokens, vae))
+
+    by_speed = proportional_split(tokens, caps.speed)
+    for mode in order:
+        if t < BY_NAME[mode].min_latent_frames:
+            continue
+        vae = vae_peaks(mode)
+        if budgets is None:
+            return estimates(mode, vae, by_speed), None
+        room = [int(b - kept - buffer - latents - int(v.total)) // per_token for b, v in zip(budgets, vae)]
+        if min(room) < 0 or sum(room) < tokens:
+            continue
+        targets = Shares(caps.speed, tuple(room)).targets(tokens)  # in proportion to speed, none above its room
+        split = [int(x) for x in targets]
+        for r in sorted(range(n), key=lambda r: (-(targets[r] - split[r]), r))[:tokens - sum(split)]:
+            split[r] += 1
+        if all(k <= r for k, r in zip(split, room)):
+            return estimates(mode, vae, split), tuple(room)
+    mode = "tiled" if vae_mode == AUTO else vae_mode
+    return estimates(mode, vae_peaks(mode), by_speed), None
 
 
 def choose_vae_mode(model: str, dtype: str, shape: tuple[int, int, int], sp: int, vae_mode: str, budget: int | None,

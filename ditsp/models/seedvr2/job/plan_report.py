@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+from ....windows.capacity import Capacities, Shares, proportional_split
 from ....windows.traffic import ulysses_traffic, window_sp_traffic
 from ..nadit.config import NaDiTConfig
 from ....windows.schedule import SchedulePlan, plan_schedule
@@ -17,7 +20,7 @@ ATTN_ROWS = 12.5
 
 
 def memory_estimate(schedule: SchedulePlan, cfg: NaDiTConfig, dtype_bytes: int = BF16, feed: str = "rows",
-                    weights=None) -> dict:
+                    weights=None, rank: int | None = None) -> dict:
     """Peak memory of the most loaded rank of a window-SP forward, by part (bytes).
 
     ``activations`` is the block's peak (the larger of the MLP and attention
@@ -31,12 +34,16 @@ def memory_estimate(schedule: SchedulePlan, cfg: NaDiTConfig, dtype_bytes: int =
     rank holding the weights and its input (the largest phase);
     ``total`` adds the weights and the input. ``weights`` (a
     :class:`~ditsp.weights.sizing.WeightBytes`) counts them as stored (FP8, GGUF) plus one layer's
-    dequantization buffer; default: every parameter in the compute dtype.
+    dequantization buffer; default: every parameter in the compute dtype. ``rank``: that rank's tokens and
+    input share (ranks of unequal capacity) instead of the most loaded rank's.
     """
     if feed not in ("rows", "canonical"):
         raise ValueError(f"feed must be 'rows' or 'canonical', got {feed!r}")
     b, d, p = dtype_bytes, cfg.vid_dim, schedule.world_size
-    n = max(int(plan.rank_tokens.max()) for plan in schedule.plans.values())
+    if rank is None:
+        n = max(int(plan.rank_tokens.max()) for plan in schedule.plans.values())
+    else:
+        n = max(int(plan.rank_tokens[rank]) for plan in schedule.plans.values())
     N = schedule.num_tokens
     hidden = cfg.mlp_hidden * 2  # SwiGLU: gate and in-projection (SiLU and product in place); GELU: fc1, act
     mlp = n * (4 * d + hidden) * b
@@ -45,7 +52,7 @@ def memory_estimate(schedule: SchedulePlan, cfg: NaDiTConfig, dtype_bytes: int =
     out_c, in_c = cfg.out_patch_channels, cfg.patch_channels
     if feed == "rows":
         output = n * (d + 2 * out_c) * b
-        inputs = -(-N // p) * in_c * b
+        inputs = _input_rows(schedule, rank) * in_c * b
     else:
         output = (p * n + 2 * N) * out_c * b + n * d * b
         inputs = 2 * N * in_c * b  # the whole latent and its patched copy
@@ -58,8 +65,62 @@ def memory_estimate(schedule: SchedulePlan, cfg: NaDiTConfig, dtype_bytes: int =
             **phases, "peak_added": peak, "total": kept + buffer + inputs + peak, "feed": feed, "dtype_bytes": b}
 
 
-def summarize(schedule: SchedulePlan, cfg: NaDiTConfig, weights=None) -> dict:
-    """The plan of one request as a plain dict (the ``--json`` schema)."""
+def _input_rows(schedule: SchedulePlan, rank: int | None) -> int:
+    """Rows of the DiT's input a rank holds before the first layout (the VAE's slab: its speed's share)."""
+    N, p = schedule.num_tokens, schedule.world_size
+    if rank is None or schedule.shares is None:
+        return -(-N // p)
+    return proportional_split(N, schedule.shares.speed)[rank]
+
+
+def token_bytes(cfg: NaDiTConfig, dtype_bytes: int = BF16) -> int:
+    """Bytes of a window-SP forward's peak per token a rank holds (feed ``rows``: :func:`memory_estimate`'s
+    phases are each linear in the rank's tokens)."""
+    b, d = dtype_bytes, cfg.vid_dim
+    hidden = cfg.mlp_hidden * 2
+    return max((4 * d + hidden) * b, int(ATTN_ROWS * d * b), 4 * d * b, (d + 2 * cfg.out_patch_channels) * b)
+
+
+def token_caps(cfg: NaDiTConfig, num_tokens: int, caps: Capacities, weights=None,
+               dtype_bytes: int = BF16) -> tuple[int, ...] | None:
+    """Per rank, the most tokens its memory holds in a window-SP forward (the weights, its input share and
+    the peak per token, :func:`memory_estimate`); None without memory figures."""
+    if caps.memory is None:
+        return None
+    kept = cfg.param_count() * dtype_bytes if weights is None else weights.kept + weights.buffer
+    per = token_bytes(cfg, dtype_bytes)
+    rows = proportional_split(num_tokens, caps.speed)
+    return tuple(max(0, (m - kept - r * cfg.patch_channels * dtype_bytes) // per)
+                 for m, r in zip(caps.memory, rows))
+
+
+def rank_table(schedule: SchedulePlan, cfg: NaDiTConfig, caps: Capacities, weights=None) -> dict:
+    """Per rank: its speed and budget, tokens (the most over layouts), modelled memory, whether it fits, and
+    modelled time; and the forward's modelled time. Times are in units of one forward of every token on
+    one speed-1 rank: a rank's is the sum over layers of its tokens / speed, the forward's the sum over
+    layers of the slowest rank's (the ranks meet at every layout change)."""
+    p, N = schedule.world_size, schedule.num_tokens
+    layers = [schedule.layer_plan(i) for i in range(len(schedule.layer_methods))]
+    ranks = []
+    for r in range(p):
+        m = memory_estimate(schedule, cfg, weights=weights, rank=r)
+        budget = None if caps.memory is None else caps.memory[r]
+        ranks.append({
+            "rank": r, "speed": caps.speed[r], "memory_budget": budget,
+            "tokens": max(int(plan.rank_tokens[r]) for plan in schedule.plans.values()),
+            "memory": m["total"], "fits": None if budget is None else m["total"] <= budget,
+            "modelled_time": round(sum(int(pl.rank_tokens[r]) for pl in layers) / caps.speed[r] / (len(layers) * N), 6),
+        })
+    forward = sum(max(int(pl.rank_tokens[r]) / caps.speed[r] for r in range(p)) for pl in layers) / (len(layers) * N)
+    return {"ranks": ranks, "modelled_time": round(forward, 6),
+            "fits": None if caps.memory is None else all(x["fits"] for x in ranks)}
+
+
+def summarize(schedule: SchedulePlan, cfg: NaDiTConfig, weights=None, capacities: Capacities | None = None,
+              even: SchedulePlan | None = None) -> dict:
+    """The plan of one request as a plain dict (the ``--json`` schema). ``capacities``: the ranks' speeds
+    and memory (``capacities`` and ``per_rank``: each rank's tokens, memory and modelled time), with
+    ``even`` the same request split evenly for comparison (``equal_split``)."""
     p = schedule.world_size
     layouts = {}
     for plan in schedule.plans.values():
@@ -83,7 +144,7 @@ def summarize(schedule: SchedulePlan, cfg: NaDiTConfig, weights=None) -> dict:
     uly = ulysses_traffic(
         schedule.num_tokens, cfg.txt_len, p, cfg.num_layers, cfg.heads * cfg.head_dim, cfg.out_patch_channels, BF16
     )
-    return {
+    out = {
         "model": cfg.name,
         "grid": list(schedule.grid),
         "tokens": schedule.num_tokens,
@@ -98,14 +159,32 @@ def summarize(schedule: SchedulePlan, cfg: NaDiTConfig, weights=None) -> dict:
         "ulysses_heads_divisible": cfg.heads % p == 0,
         "memory_per_rank": memory_estimate(schedule, cfg, weights=weights),
     }
+    if capacities is not None:
+        out["capacities"] = capacities.as_dict()
+        out["per_rank"] = rank_table(schedule, cfg, capacities, weights)
+        if even is not None:
+            out["equal_split"] = rank_table(even, cfg, capacities, weights)
+    return out
 
 
 def _window_size(plan) -> tuple[int, int, int]:
     return window_size(plan.layout.grid, plan.layout.num_windows)
 
 
-def plan_request(grid, cfg: NaDiTConfig, world_size: int, planner: str = "lpt") -> SchedulePlan:
-    return plan_schedule(grid, cfg.window_methods, world_size, planner, cfg.num_windows)
+def plan_request(grid, cfg: NaDiTConfig, world_size: int, planner: str = "lpt",
+                 shares: Shares | None = None) -> SchedulePlan:
+    return plan_schedule(grid, cfg.window_methods, world_size, planner, cfg.num_windows, shares=shares)
+
+
+def plan_for(grid, cfg: NaDiTConfig, caps: Capacities, planner: str = "lpt", weights=None) -> SchedulePlan:
+    """The plan for ranks of ``caps``: balanced by modelled time under the tokens each rank's memory holds,
+    or, where their memory cannot hold the request together, by speed alone (the report then says which
+    rank does not fit)."""
+    n = int(math.prod(grid))
+    limits = token_caps(cfg, n, caps, weights)
+    if limits is not None and sum(limits) < n:
+        limits = None
+    return plan_request(grid, cfg, caps.world_size, planner, caps.shares(limits))
 
 
 def _gib(n: int) -> str:
@@ -154,6 +233,33 @@ def format_summary(summary: dict, notes: list[str] = ()) -> str:
             f"{_gib(m['peak_added'])} (MLP {_gib(m['mlp'])}, attention workspace {_gib(m['attention'])}, "
             f"exchange buffers {_gib(m['exchange'])}, output {_gib(m['output'])})"
         )
+    if summary.get("per_rank"):
+        lines += _rank_lines(summary)
     if not summary["ulysses_heads_divisible"]:
         lines.append("  (Ulysses as in the reference needs heads % SP == 0; window SP does not)")
     return "\n".join(lines)
+
+
+def _rank_lines(summary: dict) -> list[str]:
+    """The per-rank table of a plan for ranks of unequal capacity, and the equal split beside it."""
+    pr, eq = summary["per_rank"], summary.get("equal_split")
+    lines = ["per rank (bf16, window SP; modelled time in forwards of every token on one speed-1 rank):",
+             f"  {'rank':>4} {'speed':>6} {'tokens':>10} {'memory':>22} {'time':>7}"
+             + (f" | equal split {'tokens':>10} {'memory':>10} {'time':>7}" if eq else "")]
+    for i, r in enumerate(pr["ranks"]):
+        budget = "" if r["memory_budget"] is None else f" of {r['memory_budget'] / 2**30:.2f}"
+        mark = "" if r["fits"] is None else ("" if r["fits"] else " NO FIT")
+        row = (f"  {r['rank']:>4} {r['speed']:>6g} {r['tokens']:>10,} {_gib(r['memory']) + budget + mark:>22} "
+               f"{r['modelled_time']:>7.4f}")
+        if eq:
+            e = eq["ranks"][i]
+            mem = f"{e['memory'] / 2**30:.2f} GiB" + ("" if e["fits"] in (None, True) else "!")
+            row += f" | {'':11} {e['tokens']:>10,} {mem:>10} {e['modelled_time']:>7.4f}"
+        lines.append(row)
+    tail = f"  forward: modelled time {pr['modelled_time']:.4f}"
+    if pr["fits"] is not None:
+        tail += ", every rank fits" if pr["fits"] else ", does NOT fit"
+    if eq:
+        tail += (f" (equal split: {eq['modelled_time']:.4f}"
+                 + ("" if eq["fits"] is None else (", fits" if eq["fits"] else ", does not fit")) + ")")
+    return lines + [tail]
