@@ -7,4 +7,4 @@ command's parser at start, so a command module imports only what its parser need
 models, the launcher and the I/O stack when its ``main`` runs (``ditsp --help`` stays fast).
 """
 
-COMMANDS = ("plan", "run", "upscale", "verify", "generate", "bench", "serve", "doctor", "train")
+COMMANDS = ("plan", "run", "upscale", "verify", "generate", "bench", "serve", "doctor", "train", "rl")

@@ -32,7 +32,7 @@ from ..config import ParallelConfig
 from ..distributed.comm import Comm
 from ..distributed.heartbeat import beat
 from ..integrations.diffusers import ParallelizeError, parallelize
-from ..integrations.diffusers.fixed import fix_shapes
+from ..integrations.diffusers.fixed import check_config, fix_shapes
 from ..integrations.diffusers.generate import check_weights, to_uint8
 from ..weights.formats import error_line
 from .rewards import reward as reward_fn
@@ -104,14 +104,57 @@ class Models:
     source: str
 
 
-def _class_of(folder: str, flag: str) -> str:
-    p = Path(folder) / "config.json"
+def folder_config(folder: str, flag: str, cls: str) -> dict:
+    """The config.json of a ``save_pretrained`` folder that must hold a ``cls`` (one-line errors)."""
     if not Path(folder).is_dir():
         raise ValueError(f"{flag} {folder}: no such folder (a diffusers save_pretrained folder is expected)")
     try:
-        return json.loads(p.read_text()).get("_class_name")
-    except (OSError, ValueError, AttributeError) as e:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError) as e:
         raise ValueError(f"{flag} {folder}: no readable config.json ({error_line(e)})") from None
+    name = config.get("_class_name") if isinstance(config, dict) else None
+    if name != cls:
+        raise ValueError(f"{flag} {folder}: holds a {name}, ditsp rl runs a {cls}")
+    return config
+
+
+def latent_shape(cfg: SamplerConfig, channels: int, time_factor: int, space_factor: int,
+                 patch: Sequence[int]) -> tuple[int, int, int, int]:
+    """``(C, F, H, W)`` of the sampler's clip (one-line error for sizes the VAE and patch cannot make)."""
+    k, s = time_factor, space_factor
+    _, ph, pw = patch
+    if (cfg.frames - 1) % k:
+        raise ValueError(f"frames must be {k}n + 1 for this VAE, got {cfg.frames}")
+    if cfg.height % (s * ph) or cfg.width % (s * pw):
+        raise ValueError(f"the size must be a multiple of {s * pw}x{s * ph} (the VAE's {s}x and the patch), "
+                         f"got {cfg.width}x{cfg.height}")
+    return (channels, (cfg.frames - 1) // k + 1, cfg.height // s, cfg.width // s)
+
+
+def _factors(vae_config) -> tuple[int, int]:
+    get = vae_config.get if isinstance(vae_config, dict) else lambda k, d=None: getattr(vae_config, k, d)
+    return int(get("scale_factor_temporal", None) or 4), int(get("scale_factor_spatial", None) or 8)
+
+
+def check_configs(transformer: dict, vae: dict, cfg: SamplerConfig, deterministic: bool) -> int:
+    """A transformer's and a VAE's config.json dicts checked against each other, the clip and the kernel
+    policy, without any weights; returns the transformer's text width (one-line ValueError)."""
+    channels, z = transformer.get("in_channels", 16), vae.get("z_dim", 16)
+    if channels != z:
+        raise ValueError(f"the transformer takes {channels} latent channels, the VAE makes {z}")
+    latent_shape(cfg, channels, *_factors(vae), transformer.get("patch_size", (1, 2, 2)))
+    if deterministic:
+        try:
+            check_config(transformer)
+        except ParallelizeError as e:
+            raise ValueError(str(e)) from None
+    return int(transformer.get("text_dim", 4096))
+
+
+def check_folders(transformer_dir: str, vae_dir: str, cfg: SamplerConfig, deterministic: bool) -> int:
+    """:func:`check_configs` of two ``save_pretrained`` folders."""
+    return check_configs(folder_config(transformer_dir, "--transformer", "WanTransformer3DModel"),
+                         folder_config(vae_dir, "--vae", "AutoencoderKLWan"), cfg, deterministic)
 
 
 def load_models(transformer_dir: str, vae_dir: str) -> Models:
@@ -121,9 +164,7 @@ def load_models(transformer_dir: str, vae_dir: str) -> Models:
     parts = []
     for folder, flag, cls in ((transformer_dir, "--transformer", "WanTransformer3DModel"),
                               (vae_dir, "--vae", "AutoencoderKLWan")):
-        name = _class_of(folder, flag)
-        if name != cls:
-            raise ValueError(f"{flag} {folder}: holds a {name}, ditsp rl runs a {cls}")
+        folder_config(folder, flag, cls)
         try:
             m = getattr(diffusers, cls).from_pretrained(folder, local_files_only=True)
         except Exception as e:  # noqa: BLE001 - a missing or malformed weights file
@@ -167,8 +208,7 @@ class Policy:
         if deterministic:
             fix_shapes(tr)
         vc = self.vae.config
-        self.time_factor = int(getattr(vc, "scale_factor_temporal", None) or 4)
-        self.space_factor = int(getattr(vc, "scale_factor_spatial", None) or 8)
+        self.time_factor, self.space_factor = _factors(vc)
         self.channels = int(tr.config.in_channels)
         if self.channels != int(vc.z_dim):
             raise ValueError(f"the transformer takes {self.channels} latent channels, the VAE makes {vc.z_dim}")
@@ -183,14 +223,8 @@ class Policy:
 
     def latent_shape(self, cfg: SamplerConfig) -> tuple[int, int, int, int]:
         """``(C, F, H, W)`` of the sampler's clip (one-line error for sizes the VAE and patch cannot make)."""
-        k, s = self.time_factor, self.space_factor
-        _, ph, pw = self.transformer.config.patch_size
-        if (cfg.frames - 1) % k:
-            raise ValueError(f"frames must be {k}n + 1 for this VAE, got {cfg.frames}")
-        if cfg.height % (s * ph) or cfg.width % (s * pw):
-            raise ValueError(f"the size must be a multiple of {s * pw}x{s * ph} (the VAE's {s}x and the patch), "
-                             f"got {cfg.width}x{cfg.height}")
-        return (self.channels, (cfg.frames - 1) // k + 1, cfg.height // s, cfg.width // s)
+        return latent_shape(cfg, self.channels, self.time_factor, self.space_factor,
+                            self.transformer.config.patch_size)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The trained parameters: every parameter of the transformer."""

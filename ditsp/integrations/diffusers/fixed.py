@@ -131,14 +131,16 @@ class FixedHeadsUlysses:
         return to_seq(a.transport, plan, list(seq_lens), o, a.stacked) if u > 1 else o.transpose(1, 2)
 
 
-def _check_widths(model) -> None:
-    cfg = model.config
-    dim = cfg.num_attention_heads * cfg.attention_head_dim
-    for name, v in (("hidden width", dim), ("ffn_dim", cfg.ffn_dim)):
+def check_config(config) -> None:
+    """Refuse (one line) a Wan config whose kernel calls cannot be made fixed-shape: widths not multiples of
+    :data:`WIDTH_MULTIPLE`, or image conditioning. ``config``: the model's config or its config.json dict."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    dim = get("num_attention_heads", 40) * get("attention_head_dim", 128)
+    for name, v in (("hidden width", dim), ("ffn_dim", get("ffn_dim", 13824))):
         if v % WIDTH_MULTIPLE:
             raise ParallelizeError(f"fixed-shape Wan: the {name} {v} is not a multiple of {WIDTH_MULTIPLE} "
                                    "(the elementwise kernels' tail would follow the SP degree)")
-    if getattr(cfg, "added_kv_proj_dim", None) or getattr(cfg, "image_dim", None):
+    if get("added_kv_proj_dim", None) or get("image_dim", None):
         raise ParallelizeError("fixed-shape Wan: image-conditioned (I2V) models are not supported")
 
 
@@ -153,7 +155,7 @@ def fix_shapes(model: torch.nn.Module) -> torch.nn.Module:
         raise ParallelizeError("fixed-shape kernel calls: CFG-parallel and sparse attention are not supported")
     if isinstance(runtime.attention, FixedHeadsUlysses):
         raise ParallelizeError("this model's kernel calls are already fixed-shape")
-    _check_widths(model)
+    check_config(model.config)
     runtime.attention = FixedHeadsUlysses(runtime.attention)
     for path, m in model.named_modules():
         if type(m) is torch.nn.Linear:
