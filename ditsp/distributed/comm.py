@@ -63,6 +63,16 @@ class CommStats:
         self.kinds.clear()
 
 
+class _Left:
+    """The group of a :class:`Comm` whose rank left it (:meth:`Comm.leave`): no collective runs on it."""
+
+    def __repr__(self) -> str:
+        return "<a process group this rank left>"
+
+
+LEFT = _Left()
+
+
 def _nbytes_rows(t: torch.Tensor, rows: int) -> int:
     return rows * math.prod(t.shape[1:]) * t.element_size()
 
@@ -107,6 +117,22 @@ class Comm:
         if self.group is not None and dist.get_backend(self.group) == "nccl":
             return "cuda"
         return "cpu"
+
+    def leave(self) -> None:
+        """This rank takes no further part in the group, so that no peer waits for it: a peer's pending or later
+        collective with it fails now rather than at the group's timeout. gloo: the process group is destroyed
+        and this Comm drops it, so its connections close as soon as nothing else holds it (a failed call's
+        traceback frames may: clear them); NCCL: aborted first; the shared-memory all-gather: flagged
+        (:meth:`.shm_gather.ShmGather.leave`). The Comm runs no collective afterwards."""
+        if self.group is None or self.group is LEFT:
+            return
+        pg, self.group = self.group, LEFT
+        if self._shm:
+            self._shm.leave()
+        self._shm = False
+        if dist.get_backend(pg) == "nccl":
+            pg.abort()
+        dist.destroy_process_group(pg)
 
     # -- collectives ---------------------------------------------------------
 

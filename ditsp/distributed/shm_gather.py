@@ -26,7 +26,8 @@ they agree call by call too. A slot too small for a payload is replaced by a big
 ranks at the same call.
 
 Never hang, never leave files: a wait ends with an error naming the peer when that peer's process is
-gone (checked about every millisecond) or at the group's timeout; the segment's name is removed as
+gone or has left the group (:meth:`ShmGather.leave`: a rank that gives up on a step, so its peers do
+not wait for it; both checked about every millisecond) or at the group's timeout; the segment's name is removed as
 soon as every rank has mapped it, so nothing is left in ``/dev/shm`` whatever happens to the
 processes, and the mapping goes with its Comm.
 """
@@ -51,7 +52,8 @@ from .heartbeat import waiting
 FIRST_SLOT_BYTES = 4 << 20  # a slot's first size; doubled (or more) when a payload needs it
 MAX_SLOT_BYTES = 256 << 20  # payloads over this go through gloo (n slots of it would be mapped per group)
 _ORDERED_STORES = ("x86_64", "AMD64")  # architectures whose stores are seen in program order (module doc)
-_HEADER = 64  # bytes per rank of counters (two used), a cache line each
+_HEADER = 64  # bytes per rank of counters (three used), a cache line each
+_WRITTEN, _READ, _LEFT = 0, 1, 2  # a rank's counters: calls written, calls read, whether it left the group
 _SPIN = 200  # checks before a waiting rank starts yielding its core
 _YIELD = 20000  # checks before it starts sleeping between them
 
@@ -165,6 +167,13 @@ class ShmGather:
             except BufferError:  # a view of it is still alive somewhere: the mapping goes with it
                 pass
 
+    def leave(self) -> None:
+        """This rank takes no further part: its flag in the segment makes every peer's wait end at once with an
+        error (:meth:`.comm.Comm.leave`); the segment stays mapped by the peers until they drop it."""
+        if self.counters is not None:
+            self.counters[self.rank, _LEFT] = 1
+        self.group = None
+
     def _wait(self, peer: int, column: int, value: int, deadline: float, what: str) -> None:
         counters = self.counters
         for checks in range(_SPIN):  # a short wait spins only (most end here)
@@ -177,6 +186,10 @@ class ShmGather:
                     if not _alive(self.pids[peer]):
                         raise RuntimeError(f"rank {self.rank}: rank {peer} (pid {self.pids[peer]}) is gone, in a "
                                            f"shared-memory all-gather waiting for it to {what}")
+                    if counters[:, _LEFT].any():
+                        left = int(np.flatnonzero(counters[:, _LEFT])[0])
+                        raise RuntimeError(f"rank {self.rank}: rank {left} left the group, in a shared-memory "
+                                           f"all-gather waiting for rank {peer} to {what}")
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"rank {self.rank}: a shared-memory all-gather waited {self.timeout_s:g} s "
                                            f"for rank {peer} to {what} (call {value}); that rank is stuck")
@@ -193,24 +206,24 @@ class ShmGather:
         if nbytes > self.slot:
             for p in range(self.n):  # the last call's slots fully read before the segment goes
                 if p != self.rank:
-                    self._wait(p, 1, self.calls, deadline, "finish the previous all-gather")
+                    self._wait(p, _READ, self.calls, deadline, "finish the previous all-gather")
             self._map(max(2 * self.slot, 1 << (nbytes - 1).bit_length()))
         self.calls += 1
         k, me, slot = self.calls, self.rank, self.slot
         for p in range(self.n):
             if p != me:
-                self._wait(p, 1, k - 1, deadline, "read this rank's previous rows")
+                self._wait(p, _READ, k - 1, deadline, "read this rank's previous rows")
         self.data[me * slot:me * slot + nbytes].copy_(flat)
-        self.counters[me, 0] = k
+        self.counters[me, _WRITTEN] = k
         outs = []
         for p in range(self.n):
             out = torch.empty_like(t, memory_format=torch.contiguous_format)
             if p == me:
                 out.copy_(t)
             else:
-                self._wait(p, 0, k, deadline, "write its rows")
+                self._wait(p, _WRITTEN, k, deadline, "write its rows")
                 if nbytes:
                     out.view(-1).view(torch.uint8).copy_(self.data[p * slot:p * slot + nbytes])
             outs.append(out)
-        self.counters[me, 1] = k
+        self.counters[me, _READ] = k
         return outs
