@@ -21,7 +21,7 @@ from ..argtypes import timeout_seconds
 from ..errors import one_line
 from ..io.formats import WRITE_IMAGE_EXTS, WRITE_VIDEO_EXTS
 from ..models.seedvr2.job import request
-from .common import add_compile_arg, add_deterministic_arg
+from .common import add_capacity_args, add_compile_arg, add_deterministic_arg
 
 _d = request.default  # every flag's default is the request's own
 
@@ -78,6 +78,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="window planner of the DiT (default: the SP path is chosen by the cost model)")
     p.add_argument("--max-memory", type=float, metavar="GiB",
                    help="per-rank memory budget (default: free memory / local ranks)")
+    add_capacity_args(p, detected=True)
     p.add_argument("--force", action="store_true", help="run even if the memory estimate exceeds the budget")
     p.add_argument("--fps", type=float, help="output frame rate (default: the input's; 24 for a folder of frames)")
     p.add_argument("--crf", type=int, default=_d("crf"), help="H.264 quality (0-51, lower is better)")

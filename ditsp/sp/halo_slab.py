@@ -133,6 +133,7 @@ class HaloPlan:
     grid: tuple[int, int, int]
     world_size: int
     blocks: tuple[int, int]  # (time blocks, height blocks)
+    speeds: tuple[float, ...] | None  # the ranks' speeds the slabs were cut by (None: near-even)
     ranges: tuple[tuple[int, int, int, int], ...]  # per slab; ranks >= len(ranges) hold nothing
     slabs: RowOwnership
     layer_methods: tuple[str, ...]
@@ -169,7 +170,8 @@ class HaloPlan:
 
     def describe(self) -> str:
         halo = self.halo_rows_per_layer()
-        return (f"{self.blocks[0]}x{self.blocks[1]} (time x height) slabs on {self.num_slabs} of {self.world_size} "
+        by = "" if self.speeds is None else f" by speed {':'.join(f'{v:g}' for v in self.speeds)}"
+        return (f"{self.blocks[0]}x{self.blocks[1]} (time x height) slabs{by} on {self.num_slabs} of {self.world_size} "
                 f"ranks, halo {max(halo) / self.num_tokens:.1%} of rows per layer")
 
 
@@ -182,7 +184,8 @@ def _build(grid, methods, world, num_windows, a, b, speeds=None) -> HaloPlan:
     slabs = RowOwnership.from_rank_ids(grid, ids, f"slabs{a}x{b}")
     distinct = list(dict.fromkeys(methods))
     layouts = {m: _assign(window_layout(grid, m, num_windows), slabs) for m in distinct}
-    return HaloPlan(tuple(grid), world, (a, b), tuple(ranges), slabs, tuple(methods), layouts)
+    return HaloPlan(tuple(grid), world, (a, b), None if speeds is None else tuple(speeds), tuple(ranges), slabs,
+                    tuple(methods), layouts)
 
 
 def plan_halo(grid: Sequence[int], layer_methods: Sequence[str], world_size: int,

@@ -189,4 +189,7 @@ class WindowRuntime(ScheduleRuntime):
     def report(self, heads: int | None = None) -> str:
         """Names the execution path, e.g. for a run report."""
         heads_txt = f", {heads} heads on every rank" if heads else ""
-        return f"window-aligned Plan A, planner {self.schedule.planner}, SP={self.world_size}{heads_txt}"
+        sh = self.schedule.shares
+        caps = "" if sh is None else (f", tokens by speed {':'.join(f'{v:g}' for v in sh.speed)}"
+                                      + ("" if sh.max_tokens is None else " under each rank's token cap"))
+        return f"window-aligned Plan A, planner {self.schedule.planner}, SP={self.world_size}{caps}{heads_txt}"

@@ -27,7 +27,8 @@ GiB = 2**30
 SPEED_DECIMALS = 2  # speeds taken from memory are rounded to this (so a few MiB of free memory change nothing)
 
 
-def _one_line_list(values, what: str, n: int | None) -> None:
+def check_per_rank(values, what: str, n: int | None) -> None:
+    """ValueError (one line) unless ``values`` are finite numbers > 0, ``n`` of them where ``n`` is given."""
     if n is not None and len(values) != n:
         raise ValueError(f"{what}: {len(values)} value(s) for SP degree {n}; give one per rank")
     for v in values:
@@ -47,7 +48,7 @@ def parse_list(text: str, what: str) -> tuple[float, ...]:
         except ValueError:
             raise ValueError(f"{what}: {p!r} is not a number (expected e.g. 32,24)") from None
         out.append(v)
-    _one_line_list(out, what, None)
+    check_per_rank(out, what, None)
     return tuple(out)
 
 
@@ -70,10 +71,10 @@ class Capacities:
         object.__setattr__(self, "speed", tuple(float(s) if not isinstance(s, bool) else s for s in self.speed))
         if not self.speed:
             raise ValueError("capacities: at least one rank")
-        _one_line_list(self.speed, "rank speed", None)
+        check_per_rank(self.speed, "rank speed", None)
         if self.memory is not None:
             object.__setattr__(self, "memory", tuple(self.memory))
-            _one_line_list(self.memory, "rank memory", len(self.speed))
+            check_per_rank(self.memory, "rank memory", len(self.speed))
             object.__setattr__(self, "memory", tuple(int(m) for m in self.memory))
 
     @classmethod
@@ -86,9 +87,9 @@ class Capacities:
         """The capacities of ``n`` ranks from what is known: ``speed`` given, else from ``memory``
         (:func:`speed_from_memory`), else equal. ValueError (one line) when a count is not ``n``."""
         if memory is not None:
-            _one_line_list(list(memory), "rank memory", n)
+            check_per_rank(list(memory), "rank memory", n)
         if speed is not None:
-            _one_line_list(list(speed), "rank speed", n)
+            check_per_rank(list(speed), "rank speed", n)
             return cls(tuple(speed), None if memory is None else tuple(memory))
         if memory is not None:
             return cls(speed_from_memory(memory), tuple(memory))
@@ -135,7 +136,7 @@ class Shares:
 
     def __post_init__(self):
         object.__setattr__(self, "speed", tuple(float(s) for s in self.speed))
-        _one_line_list(self.speed, "rank speed", None)
+        check_per_rank(self.speed, "rank speed", None)
         if self.max_tokens is not None:
             caps = tuple(self.max_tokens)
             if len(caps) != len(self.speed) or any(isinstance(c, bool) or int(c) != c or c < 0 for c in caps):

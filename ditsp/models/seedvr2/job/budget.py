@@ -152,16 +152,20 @@ def rank_estimates(model: str, dtype: str, frames: int, out_hw: tuple[int, int],
     return estimates(mode, vae_peaks(mode), by_speed), None
 
 
-def choose_vae_mode(model: str, dtype: str, shape: tuple[int, int, int], sp: int, vae_mode: str, budget: int | None,
-                    vae_chunk: int = 1, winograd_filters: bool = False, vae_backend: str = "cuda") -> tuple[str, str]:
+def choose_vae_mode(model: str, dtype: str, shape: tuple[int, int, int], sp: int, vae_mode: str, budget,
+                    vae_chunk: int = 1, winograd_filters: bool = False, vae_backend: str = "cuda",
+                    rows=None) -> tuple[str, str]:
     """(mode, why) of a clip of padded pixel ``shape`` (T, H, W): ``vae_mode`` itself, or what ``auto`` means
-    (:func:`.vae.memory.choose_mode`) against ``budget``, the bytes left for the VAE; tiled when nothing fits
-    (the estimate then says the job does not fit)."""
+    (:func:`.vae.memory.choose_mode`) against ``budget``, the bytes left for the VAE (ranks of unequal
+    capacity: one per rank, with ``rows`` each rank's latent slab rows); tiled when nothing fits (the
+    estimate then says the job does not fit)."""
     if vae_mode != AUTO:
         return vae_mode, "requested"
+    if budget is not None:
+        budget = max(0, budget) if isinstance(budget, int) else [max(0, b) for b in budget]
     try:
-        c = choose_mode(vae_config(model), shape, sp, None if budget is None else max(0, budget), DTYPES[dtype],
-                        vae_chunk, winograd_filters=winograd_filters, backend=vae_backend)
+        c = choose_mode(vae_config(model), shape, sp, budget, DTYPES[dtype],
+                        vae_chunk, winograd_filters=winograd_filters, backend=vae_backend, rows=rows)
         return c.mode, c.report
     except MemoryError as e:
         return "tiled", f"auto: {e}"
@@ -202,6 +206,44 @@ def suggestions(model: str, dtype: str, frames: int, out_hw, sp: int, vae_mode: 
         e = estimate(model, dtype, frames, out_hw, sp, vae_mode, budget, weights=weights, vae_backend=vae_backend)
         if e.total <= budget:
             out.append(f"{CPU_ENV['vae_winograd']}=0 ({e.total / GiB:.1f} GiB per rank, a slower VAE)")
+    return out
+
+
+def rank_suggestions(model: str, dtype: str, frames: int, out_hw, caps: Capacities, vae_mode: str,
+                     weights: WeightBytes | None = None, winograd_filters: bool = False,
+                     vae_backend: str = "cuda") -> list[str]:
+    """What would fit every rank of ``caps`` its own budget (:func:`rank_estimates`): another VAE mode,
+    shorter windows, bf16, smaller weights; each with the tightest rank's figure."""
+    fit = functools.partial(rank_estimates, caps=caps, vae_chunk=1, winograd_filters=winograd_filters,
+                            vae_backend=vae_backend)
+
+    def fits(frames_, mode, dtype_=dtype, weights_=weights) -> str | None:
+        ests, _ = fit(model, dtype_, frames_, out_hw, vae_mode=mode, weights=weights_)
+        if all(e.total <= b for e, b in zip(ests, caps.memory)):
+            return ", ".join(f"{e.total / GiB:.1f}" for e in ests) + " GiB"
+        return None
+
+    out = []
+    for mode in ("height+chunks", "chunked", "tiled"):
+        if mode != vae_mode and (got := fits(frames, mode)):
+            out.append(f"--vae-mode {mode} ({got}{', approximate' if mode == 'tiled' else ''})")
+            break
+    f, k = frames, vae_config(model).temporal_factor
+    while f > k + 1:
+        f = max(k + 1, ((f // 2 - 1) // k) * k + 1)
+        if got := fits(f, vae_mode):
+            out.append(f"--window-frames {f} ({got})")
+            break
+    if dtype == "fp32" and (got := fits(frames, vae_mode, "bf16", None)):
+        out.append(f"--dtype bf16 ({got})")
+    if dtype in ("bf16", "fp32"):
+        now = weights.kept if weights is not None else dit_config(model).param_count() * itemsize(dtype)
+        for fmt, hint in (("fp8_e4m3fn", "--weights-dtype fp8"), ("Q8_0", "a Q8_0 GGUF --dit"),
+                          ("Q4_K_M", "a Q4_K_M GGUF --dit")):
+            w = dit_weights(model, dtype, fmt=fmt)
+            if w.kept < now and (got := fits(frames, vae_mode, dtype, w)):
+                out.append(f"{hint} ({got})")
+                break
     return out
 
 

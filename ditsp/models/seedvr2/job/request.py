@@ -36,7 +36,8 @@ from ..presets import OFFERED as MODELS
 from ..presets import DEFAULT_MODEL, default_dtype, model as model_of
 from .sizing import parse_resolution
 from ....weights import FormatError
-from .budget import GiB, available_bytes, suggestions
+from .budget import GiB, available_bytes, rank_suggestions, suggestions
+from ....windows.capacity import Capacities, check_per_rank
 from ..vae.memory import backend_of, counts_winograd
 from ....memory import check_local_cores, check_local_ranks
 from ....distributed.torchrun import under_torchrun
@@ -45,7 +46,7 @@ from . import plan as restoration_plan
 
 __all__ = ["COLOR_FIXES", "DTYPE_NAMES", "HTTP_OPTIONS", "MODELS", "OUTPUT_FORMATS", "PLANNERS", "STITCHES", "VAE_MODES",
            "WEIGHTS_DTYPES", "WEIGHTS_READS", "Checked", "Options", "UpscaleRequest", "check", "check_memory", "default",
-           "frames_info", "from_args", "from_http", "parse_http_options", "prepare"]
+           "capacities", "frames_info", "from_args", "from_http", "parse_http_options", "prepare"]
 
 if TYPE_CHECKING:
     from ..weights import WeightsSpec
@@ -121,6 +122,8 @@ class Options:
     vae_chunk: int = 1
     planner: str | None = None
     max_memory: float | None = None  # GiB per rank; None: free memory / local ranks
+    rank_memory: tuple[float, ...] | None = None  # GiB, one per rank (ranks of unequal memory); excludes max_memory
+    rank_speed: tuple[float, ...] | None = None  # relative, one per rank; None: from each rank's memory
     force: bool = False
     fps: float | None = None
     crf: int = 18
@@ -236,6 +239,37 @@ def budget_bytes(max_memory_gib: float | None, sp: int) -> int:
     return available_bytes(1 if under_torchrun() else sp)
 
 
+def capacities(o: Options) -> Capacities:
+    """Each rank's memory budget and speed: ``rank_memory`` (GiB), else ``max_memory`` for every rank, else
+    detected (local ranks: this machine's free memory over them; a torchrun job: each rank's own free device
+    memory, gathered so every rank plans with the same figures); speeds ``rank_speed``, else from memory
+    (:func:`ditsp.windows.capacity.speed_from_memory`). ValueError (one line) for a count that is not
+    ``sp`` or both memory options."""
+    if o.rank_memory is not None and o.max_memory is not None:
+        raise ValueError("give --rank-memory (one figure per rank) or --max-memory (every rank), not both")
+    for flag, values in (("--rank-memory", o.rank_memory), ("--rank-speed", o.rank_speed)):
+        if values is not None:
+            check_per_rank(list(values), flag, None)
+            if len(values) != o.sp:
+                raise ValueError(f"{flag}: {len(values)} value(s) for --sp {o.sp}; give one per rank")
+    if o.rank_memory is not None:
+        memory = [int(m * GiB) for m in o.rank_memory]
+    elif o.max_memory or not under_torchrun():
+        memory = [budget_bytes(o.max_memory, o.sp)] * o.sp
+    else:
+        memory = _gathered_free_memory()
+    return Capacities.of(o.sp, memory, o.rank_speed)
+
+
+def _gathered_free_memory() -> list[int]:
+    """A torchrun job's ranks: each one's free device memory (host memory on CPU), gathered in rank order."""
+    from ....distributed.comm import Comm
+    from ....distributed.launcher import init_from_env
+
+    ctx = init_from_env()  # the job's group, joined once (the restoration's dispatch reuses it)
+    return [int(m) for m in Comm.of(ctx.group).all_gather_object(available_bytes(1, ctx.device))]
+
+
 def check(o: Options, in_memory: torch.Tensor | None = None) -> Checked:
     """Everything that can be checked before ranks start, and the plan; ValueError with a one-line message.
 
@@ -299,7 +333,7 @@ def check(o: Options, in_memory: torch.Tensor | None = None) -> Checked:
         model=o.model, dtype=dtype, in_width=info.width, in_height=info.height, frames=frames, area=area, size=size,
         window_frames=o.window_frames, overlap=o.overlap, stitch=o.stitch, seed=o.seed, sp=o.sp, vae_mode=o.vae_mode,
         vae_chunk=o.vae_chunk, planner=o.planner, deterministic=o.deterministic,
-        budget=budget_bytes(o.max_memory, o.sp), weights=kept,
+        capacities=capacities(o), weights=kept,
         winograd_filters=counts_winograd(device, o.deterministic), vae_backend=backend_of(device, o.deterministic))
     req = UpscaleRequest(
         input=o.input, output=o.output, plan=plan, weights=weights, color_fix=o.color_fix, crf=o.crf, fps=o.fps,
@@ -357,10 +391,21 @@ def _check_files(o: Options):
 
 
 def check_memory(c: Checked, o: Options) -> str:
-    """The plan's memory line; raises MemoryError naming what would fit when it does not (unless ``force``)."""
+    """The plan's memory line; raises MemoryError naming what would fit when it does not (unless ``force``);
+    ranks of unequal capacity: each rank against its own budget, the error naming the ranks that do not fit."""
     p, w = c.plan, c.req.weights
     line = p.memory_line()
-    if p.memory.total > p.budget and not o.force:
+    if p.uneven and p.over_budget() and not o.force:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        kept = dit_weights(w.model, w.dtype, checkpoint=w.dit, weights_dtype=w.weights_dtype)
+        fits = rank_suggestions(w.model, w.dtype, p.window_frames, p.geometry.out_hw, p.capacities, o.vae_mode,
+                                weights=kept, winograd_filters=counts_winograd(device, p.deterministic),
+                                vae_backend=backend_of(device, p.deterministic))
+        short = "; ".join(f"rank {r} needs {p.rank_memory[r].total / GiB:.2f} GiB of its {p.capacities.memory[r] / GiB:.2f}"
+                          for r in p.over_budget())
+        hint = ("; would fit: " + ", ".join(fits)) if fits else "; nothing smaller fits (try a smaller --resolution)"
+        raise MemoryError(f"{short}: does not fit{hint} (or pass --force)")
+    if not p.uneven and p.memory.total > p.budget and not o.force:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         kept = dit_weights(w.model, w.dtype, checkpoint=w.dit, weights_dtype=w.weights_dtype)
         fits = suggestions(w.model, w.dtype, p.window_frames, p.geometry.out_hw, p.sp, o.vae_mode, p.budget,

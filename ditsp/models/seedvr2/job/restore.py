@@ -223,7 +223,7 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
     frames_total = plan.frames
     if (info.width, info.height) != (geo.in_width, geo.in_height):
         raise ValueError(f"{req.input}: is {info.width}x{info.height} now, planned as {geo.in_width}x{geo.in_height}")
-    pvae = ParallelVAE(vae, comm, chunk=plan.vae_chunk)
+    pvae = ParallelVAE(vae, comm, chunk=plan.vae_chunk, speeds=plan.vae_speeds)  # slabs by speed (unequal ranks)
     runtimes: dict = {}
     st = _Stages(device)
     blender = StreamingBlender(windows, out_dtype=torch.float32) if windows.stitch in PIXEL_STITCHES else None
@@ -389,11 +389,11 @@ def _input_times(req: UpscaleRequest, info, frames: int, notes: list[str]) -> li
     return times
 
 
-def _runtime(runtimes: dict, comm: Comm, dit, grid, planner: str | None, deterministic: bool):
-    """The DiT's runtime of ``grid`` on the job's Comm (built once per grid)."""
+def _runtime(runtimes: dict, comm: Comm, dit, grid, planner: str | None, deterministic: bool, shares=None):
+    """The DiT's runtime of ``grid`` on the job's Comm (built once per grid; ``shares``: unequal ranks)."""
     if grid not in runtimes:
         pc = ParallelConfig.window(comm.world_size, window_planner=planner, deterministic=deterministic)
-        runtimes[grid] = parallelize(dit.cfg, pc, grid, comm)
+        runtimes[grid] = parallelize(dit.cfg, pc, grid, comm, shares)
     return runtimes[grid]
 
 
@@ -419,7 +419,7 @@ def _whole_window(ctx, models, pvae, runtimes, plan, deterministic, st, win, xp,
     advance("encoded")
     noise = make_noise(latent.shape, g, dtype=torch.float32).to(latent.device)  # drawn on the CPU: any device
     vid = dit_input(noise, latent.float())
-    rt = _runtime(runtimes, pvae.comm, dit, _grid(dit, win, vid.shape), plan.planner, deterministic)
+    rt = _runtime(runtimes, pvae.comm, dit, _grid(dit, win, vid.shape), plan.planner, deterministic, plan.dit_shares)
     v = st.run("dit", win.index, lambda: dit(vid.to(dit.dtype), models.text, dit_timestep(ctx.device), runtime=rt))
     advance("DiT done")
     z = decoder_latent(one_step_x0(noise, v), dtype=vae.dtype)
@@ -446,7 +446,7 @@ def _sharded_window(ctx, models, pvae, runtimes, plan, deterministic, st, win, x
     noise = make_noise((t, h, w, vae.cfg.latent_channels), g, dtype=torch.float32)[:, h0:h1].to(latent.device)
     slabs = RowOwnership.slabs((t, h, w), [layout.rank_rows(r) for r in range(ctx.world_size)], "VAE slabs")
     rows = dit_input(noise, latent.float()).reshape(-1, noise.shape[-1] * 2 + 1)
-    rt = _runtime(runtimes, pvae.comm, dit, _grid(dit, win, (t, h, w)), plan.planner, deterministic)
+    rt = _runtime(runtimes, pvae.comm, dit, _grid(dit, win, (t, h, w)), plan.planner, deterministic, plan.dit_shares)
     v = st.run("dit", win.index, lambda: dit(rows.to(dit.dtype), models.text, dit_timestep(ctx.device), runtime=rt,
                                              rows=slabs))
     advance("DiT done")
