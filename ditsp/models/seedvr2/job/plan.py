@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ..pipeline.padding import padded_length
 from ..pipeline.sizing import FrameGeometry, frame_geometry
@@ -64,6 +64,8 @@ class RestorationPlan:
     capacities: Capacities | None = None
     rank_memory: tuple[Estimate, ...] = ()  # per rank, the modelled peak of the largest window
     token_caps: tuple[int, ...] | None = None  # per rank, the most DiT tokens its budget holds (unequal ranks)
+    # What :func:`build` was given: a recovery builds the same plan with shorter windows (:func:`rebuild`).
+    inputs: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def window_frames(self) -> int:
@@ -99,6 +101,7 @@ class RestorationPlan:
         """A digest of everything the ranks must agree on."""
         d = asdict(self)
         d["memory"] = d["rank_memory"] = None  # the estimate is advice; the modes it chose are in the steps
+        d["inputs"] = None  # what it was made from: its values are what the ranks run
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def describe(self) -> str:
@@ -130,6 +133,7 @@ def build(*, model: str, dtype: str, in_width: int, in_height: int, frames: int,
     the DiT's weights as kept, :func:`.weight_memory.dit_weights`). ValueError (one line) for what cannot
     run; the memory estimate is advice, held against ``budget`` (every rank) or each rank's memory of
     ``capacities`` (ranks of unequal capacity: :func:`.budget.rank_estimates`) by the request's check."""
+    inputs = dict(locals())  # the arguments, kept by the plan (rebuild)
     if capacities is None:
         capacities = Capacities.uniform(sp, budget)
     if capacities.world_size != sp or capacities.memory is None:
@@ -160,7 +164,13 @@ def build(*, model: str, dtype: str, in_width: int, in_height: int, frames: int,
                              f"window {w.index + 1} would run {mode} ({why}); use --stitch cosine or more memory")
         steps.append(WindowStep(w.index, w.start, w.stop, w.seed, padded, latent, grid, mode, why))
     return RestorationPlan(model, sp, frames, geo, windows, tuple(steps), planner, deterministic, vae_chunk,
-                           ranks[tight], budgets[tight], capacities, ranks, caps)
+                           ranks[tight], budgets[tight], capacities, ranks, caps, inputs)
 
 
-__all__ = ["AUTO", "RestorationPlan", "WindowStep", "build"]
+def rebuild(plan: RestorationPlan, **changes) -> RestorationPlan:
+    """The plan :func:`build` makes from ``plan``'s own arguments with ``changes`` (a recovery's shorter
+    windows, :mod:`.recovery`)."""
+    return build(**{**plan.inputs, **changes})
+
+
+__all__ = ["AUTO", "RestorationPlan", "WindowStep", "build", "rebuild"]

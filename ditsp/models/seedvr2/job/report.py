@@ -38,6 +38,9 @@ def format_report(s: dict) -> str:
         *([f"CPU allocator: {s['cpu_allocator']}"] if s.get("cpu_allocator") else []),
         f"compile: {s.get('compile', 'eager')}",
         *(f"{m}" for m in s["vae_modes"]),
+        *(_recovered(r) for r in s.get("recovery") or ()),
+        *(["APPROXIMATE: a VAE mode that is not exact ran (tiled: its tiles are blended), so the frames are not "
+           "those of an exact mode"] if s.get("approximate") else []),
         *(f"input: {m}" for m in s.get("media_notes") or ()),
         f"{'stage':<11} {'time s':>8} {'share':>6} {'peak MiB (max rank)':>20}",
     ]
@@ -54,6 +57,15 @@ def format_report(s: dict) -> str:
     if s.get("color_drift"):
         lines.append(format_color_drift(s["color_drift"]))
     return "\n".join(lines)
+
+
+def _recovered(r: dict) -> str:
+    """A recovery step of the report (job/recovery.py) as a line."""
+    what = (f"VAE mode {r['from']} -> {r['to']}" if r["kind"] == "vae_mode"
+            else f"window frames {r['from']} -> {r['to']}, the clip restarted")
+    ranks = ", ".join(map(str, r["ranks"]))
+    return (f"recovered: window {r['window']}/{r['windows']}, rank{'s' if len(r['ranks']) > 1 else ''} {ranks} ran "
+            f"out of memory in {r['stage']} ({r['error']}): {what}; {r['output']}")
 
 
 def plot_report(s: dict, path: str) -> None:

@@ -20,6 +20,12 @@ Every rank of the SP group runs :func:`rank_upscale` on the same request:
    :mod:`..pipeline.color_drift`) and write finished frames as they come (atomic: a temporary file
    renamed at the end; the input's audio is copied).
 
+A window's encode, DiT and decode run as one attempt on the job's own group
+(:class:`ditsp.distributed.recoverable.RecoverableGroup`): an allocation failure on any rank is known to
+every rank at once, memory is released, and the window runs again under the next leaner plan
+(:mod:`.recovery`: a leaner exact VAE mode, then tiled, then windows of fewer frames with the clip
+restarted), each step in the report; when none is left, every rank raises one line naming what would fit.
+
 A request whose input is held in memory (``req.frames``: a host such as the
 ComfyUI nodes) reads those frames in place of the file and writes nothing:
 rank 0 returns the restored frames in its report. The plan and every step
@@ -37,6 +43,7 @@ request asks for one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sys
 import time
@@ -48,6 +55,7 @@ import torch
 from ....cpu import malloc as cpu_malloc
 from ....config import ParallelConfig
 from ....distributed.comm import Comm
+from ....distributed.recoverable import RecoverableGroup
 from ....distributed.transport import Transport
 from ....distributed.heartbeat import beat
 from ....fixed_shape import shapes_for
@@ -74,9 +82,10 @@ from ..pipeline import (
 from ..pipeline.color_drift import ColorDrift
 from .stitch import WindowDecoder
 from .request import UpscaleRequest, frames_info  # noqa: F401 - the request lives in .request; re-exported
-from ..vae.modes import SLAB_MODES
+from ..vae.modes import BY_NAME, SLAB_MODES
 from ..weights import load
 
+from .recovery import Injector, Recovery, Restart, faults_from_env
 from .report import STAGES, format_report, plot_report, summarize  # noqa: F401 - re-exported
 from ....io.probe import open_media
 from ....io.write import VideoWriter, write_image
@@ -113,9 +122,13 @@ class _Frames:
 
 
 class _Stages:
-    """Per-stage wall and CPU time, per-rank peak memory and a timeline (for the report and its picture)."""
+    """Per-stage wall and CPU time, per-rank peak memory and a timeline (for the report and its picture); the
+    stage running now (what an allocation failure is reported in), and the failures tests inject into it
+    (``faults(stage, window)``: a context manager, :meth:`.recovery.Injector.stage`)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, faults=None):
+        self.faults = faults or (lambda stage, window: contextlib.nullcontext())
+        self.current = ""
         self.time = dict.fromkeys(STAGES, 0.0)
         self.cpu = dict.fromkeys(STAGES, 0.0)
         self.peak = dict.fromkeys(STAGES, 0)
@@ -125,11 +138,13 @@ class _Stages:
         self.t0 = time.perf_counter()
 
     def run(self, stage: str, window: int, fn, *args):
+        self.current = stage
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.mem.start()
         a, cpu = time.perf_counter(), time.process_time()
-        out = fn(*args)
+        with self.faults(stage, window):
+            out = fn(*args)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         b = time.perf_counter()
@@ -179,8 +194,21 @@ def rank_upscale(ctx, req: UpscaleRequest, progress: Progress | None = None) -> 
     ``progress(done, total, label)``: called on rank 0 as the job advances (None: a terminal bar if the
     request asks for one)."""
     policy = shapes_for(req.plan.deterministic)  # the one read of the kernel policy: the VAE's calls run under
-    with use_kernel_shapes(policy), stance(req.compile):  # it, the DiT's runtime is built with it
-        report = _rank_upscale(ctx, req, policy.deterministic, progress)
+    # it, the DiT's runtime is built with it. The job's own group: a window that runs out of memory on any rank
+    # is retried by every rank under a leaner plan (.recovery); tests inject the failures (recovery.FAULT_ENV).
+    recovery = Recovery(req, ctx.device, Injector(faults_from_env(), ctx.rank))
+    group = RecoverableGroup(ctx.group if ctx.world_size > 1 else None)
+    try:
+        with use_kernel_shapes(policy), stance(req.compile):
+            while True:
+                try:
+                    report = _rank_upscale(ctx, req, policy.deterministic, progress, group, recovery)
+                    break
+                except Restart as r:  # windows of fewer frames: the clip again from its first frame
+                    req = replace(req, plan=r.plan)
+    finally:
+        group.close()
+    report["recovery"] = recovery.steps
     report["kernel_shapes"] = policy.describe()
     report["cpu_allocator"] = cpu_malloc.describe()  # this rank's process: the policy, and whether it is in effect
     if req.compile:  # the models stay compiled in this process's cache: a server's next job reuses them
@@ -203,17 +231,74 @@ def _check_plan(ctx, comm: Comm, plan) -> None:
                              f"give every rank the same input, options and --max-memory")
 
 
-def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progress | None) -> dict:
+class _Progress:
+    """Rank 0's progress: four steps a window, called back as they are done (a retried window's count again)."""
+
+    def __init__(self, total: int, callback: Progress | None):
+        self.done, self.total, self.callback = 0, total, callback
+
+    def __call__(self, label: str) -> None:
+        self.done += 1
+        if self.callback is not None:
+            self.callback(self.done, self.total, label)
+
+
+class _Job:
+    """What one rank's windows share: the models, the job's group, what is built on the group's current
+    generation (the VAE's executor, the DiT's runtimes, the window decoder's VAE), the stages, the recovery."""
+
+    def __init__(self, ctx, req: UpscaleRequest, models, group: RecoverableGroup, recovery: Recovery, st: _Stages,
+                 deterministic: bool):
+        self.ctx, self.req, self.models, self.group, self.recovery = ctx, req, models, group, recovery
+        self.st, self.deterministic = st, deterministic
+        self._generation = None
+        self.parts()
+        self.decoder = WindowDecoder(self.pvae, req.plan.windows)
+
+    def parts(self) -> tuple[ParallelVAE, dict]:
+        """The VAE's executor and the DiT's runtimes (per grid) on the group's current generation."""
+        if self._generation != self.group.generation:
+            plan = self.req.plan  # the slabs cut by speed where the ranks are unequal
+            self.pvae = ParallelVAE(self.models.vae, self.group.comm, chunk=plan.vae_chunk, speeds=plan.vae_speeds)
+            self.runtimes: dict = {}
+            if self._generation is not None:
+                self.decoder.pvae = self.pvae
+            self._generation = self.group.generation
+        return self.pvae, self.runtimes
+
+
+def _window(job: _Job, plan, i: int, xp: torch.Tensor, progress: _Progress, of: str):
+    """Window ``i``'s VAE encode, DiT and VAE decode, one attempt on the job's group; after an allocation failure
+    on any rank, again under the leaner plan :meth:`.recovery.Recovery.next_plan` gives (or its Restart, or its
+    MemoryError). Returns the step's (decoded, clip frame of the first, DiT report) and the plan it ran under."""
+    ctx = job.ctx
+    while True:
+        win = plan.steps[i]
+        handed = job.req.handoff and win.vae_mode in SLAB_MODES and ctx.world_size > 1
+        step = _sharded_window if handed else _whole_window
+        pvae, runtimes = job.parts()
+        g = make_generator(win.seed)
+        done, started = progress.done, time.perf_counter()
+        attempt = job.group.attempt(
+            lambda comm: step(ctx, job.models, pvae, runtimes, plan, job.deterministic, job.st, win, xp, g,
+                              lambda stage: progress(f"{of} {stage}"), job.decoder),
+            lambda e: job.recovery.record(e, ctx.rank, job.st.current))
+        if not attempt.failed:
+            return attempt.result, plan
+        progress.done = done
+        plan = job.recovery.next_plan(plan, i, attempt.failures, time.perf_counter() - started)
+
+
+def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progress | None,
+                  group: RecoverableGroup, recovery: Recovery) -> dict:
     entered = time.time()  # wall clock: the job's launcher compares it with its own start
-    group = ctx.group if ctx.world_size > 1 else None
     device = ctx.device
     plan = req.plan
-    # The job's one Comm of the group: the weights' load, the VAE, every DiT runtime and the writer's rows.
-    comm = Comm.of(group)
-    _check_plan(ctx, comm, plan)
-    models = load(req.weights, device, comm=comm)  # a bad checkpoint: the same error on every rank
+    # The job's group: the weights' load, the VAE, every DiT runtime and the writer's rows go through its Comm.
+    _check_plan(ctx, group.comm, plan)
+    models = load(req.weights, device, comm=group.comm)  # a bad checkpoint: the same error on every rank
     loaded = time.time()
-    comm.stats.reset()  # the report counts the restoration's traffic, not the weights' load
+    group.stats.reset()  # the report counts the restoration's traffic, not the weights' load
     if req.compile:
         compile_dit(models.dit)
         compile_vae(models.vae)
@@ -223,11 +308,9 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
     frames_total = plan.frames
     if (info.width, info.height) != (geo.in_width, geo.in_height):
         raise ValueError(f"{req.input}: is {info.width}x{info.height} now, planned as {geo.in_width}x{geo.in_height}")
-    pvae = ParallelVAE(vae, comm, chunk=plan.vae_chunk, speeds=plan.vae_speeds)  # slabs by speed (unequal ranks)
-    runtimes: dict = {}
-    st = _Stages(device)
+    st = _Stages(device, lambda stage, window: recovery.injector.stage(stage, window, models))
+    job = _Job(ctx, req, models, group, recovery, st, deterministic)
     blender = StreamingBlender(windows, out_dtype=torch.float32) if windows.stitch in PIXEL_STITCHES else None
-    decoder = WindowDecoder(pvae, windows)
     writer = None
     kept: list[torch.Tensor] | None = [] if req.frames is not None else None  # the in-memory output (rank 0)
     is_image = info.kind == "image"
@@ -240,18 +323,11 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
     vae_reports, dit_report = set(), ""
     media_notes = [f"rotation {info.rotation} degrees (display matrix) applied to the frames"] if info.rotation else []
     frames = _Frames(chunks)
-    total, done = len(plan.steps) * 4, 0
+    total = len(plan.steps) * 4
     bar = None
     if rank0 and progress is None and req.progress:
         bar = progress = _TerminalBar(total)
-    if not rank0:
-        progress = None
-
-    def advance(label: str) -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, total, label)
+    advance = _Progress(total, progress if rank0 else None)
 
     try:
         if rank0 and not is_image and kept is None:
@@ -260,7 +336,8 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
             writer = WriteBehind(VideoWriter(req.output, fps, crf=req.crf, times=times,
                                              audio_from=req.input if info.has_audio else None,
                                              overwrite=req.overwrite))
-        for win in plan.steps:
+        for i in range(len(plan.steps)):  # (a window that ran out of memory changes the plan from it on)
+            win = plan.steps[i]
             of = f"window {win.index + 1}/{len(plan.steps)}"
             u8 = st.run("read", win.index, frames.take, win.start, win.stop)
             x = _transform(geo, u8).to(device)  # (3, T, h, w) fp32 in [-1, 1]: also the colour-fix reference
@@ -269,17 +346,15 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
             if tuple(xp.shape[2:]) != (win.padded, *geo.out_hw):
                 raise RuntimeError(f"{of}: {tuple(xp.shape[2:])} frames/rows/columns, planned "
                                    f"{(win.padded, *geo.out_hw)}")
-            g = make_generator(win.seed)
+            (decoded, first, dit_report), plan = _window(job, plan, i, xp, advance, of)
+            win = plan.steps[i]
             handed = req.handoff and win.vae_mode in SLAB_MODES and ctx.world_size > 1
             via = "; slabs handed to and from the DiT's windows" if handed else ""
             vae_reports.update(f"VAE {op} mode {win.vae_mode} (SP={ctx.world_size}, {win.vae_reason}{via})"
                                for op in ("encode", "decode"))
-            step = _sharded_window if handed else _whole_window
-            decoded, first, dit_report = step(ctx, models, pvae, runtimes, plan, deterministic, st, win, xp, g,
-                                              lambda stage: advance(f"{of} {stage}"), decoder)
             advance(f"{of} decoded")
             if not rank0:
-                _all_ok(comm)
+                _all_ok(group.comm)
                 continue
             a = first - win.start  # the decoded frames are the window's [a, a + count): the padding dropped
             count = min(decoded.shape[2], n - a)
@@ -309,7 +384,7 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
                 written += out.shape[0]
             if writer is not None:
                 writer.check()  # an earlier window's write error: raised here, before every rank's boundary
-            _all_ok(comm)
+            _all_ok(group.comm)
         if rank0 and blender is not None:
             blender.flush()
         if writer is not None:
@@ -332,8 +407,8 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
         "cpu_s": time.process_time(),  # the rank's whole process: start-up, weights, every stage
         "entered_at": entered, "load_s": loaded - entered, "done_at": time.time(),
         "stage_peak_bytes": st.peak,
-        "bytes_sent": comm.stats.bytes_sent,
-        "collectives": comm.stats.as_dict(),
+        "bytes_sent": group.stats.bytes_sent,
+        "collectives": group.stats.as_dict(),
     }
     if rank0:
         report.update({
@@ -345,6 +420,7 @@ def _rank_upscale(ctx, req: UpscaleRequest, deterministic: bool, progress: Progr
             "windows": [[w.start, w.stop] for w in plan.steps], "dit_path": dit_report, "media_notes": media_notes,
             "vae_modes": sorted(vae_reports), "sha256": digest.hexdigest(), "timeline": st.timeline,
             "seams": seams.report(), "color_drift": drift.report(),
+            "approximate": any(not BY_NAME[w.vae_mode].exact for w in plan.steps),
             "samples": (torch.stack(samples_in), torch.stack(samples_out)) if samples_out else None,
         })
         if kept is not None:
