@@ -297,3 +297,28 @@ def test_a_run_at_sp_2_scores_and_updates_as_one_device(clusters, tmp_path):
         for p, q in zip(params, one[2]):
             assert (p - q).abs().max().item() <= 0.05 * 1e-4
     assert all(torch.equal(p, q) for p, q in zip(two[0][2], two[1][2]))  # every rank keeps the same weights
+
+
+def test_model_folders_load_and_a_folder_of_another_class_is_refused(capsys, tmp_path):
+    models = random_models(0)
+    models.transformer.save_pretrained(str(tmp_path / "transformer"))
+    models.vae.save_pretrained(str(tmp_path / "vae"))
+    line = fails(capsys, ["rl", "--transformer", str(tmp_path / "vae"), "--vae", str(tmp_path / "vae"),
+                          "--random-prompts", "4"])
+    assert "holds AutoencoderKLWan, ditsp rl runs WanTransformer3DModel" in line
+    from ditsp.cli import main
+
+    assert main(["rl", "--transformer", str(tmp_path / "transformer"), "--vae", str(tmp_path / "vae"),
+                 "--random-prompts", "4", "--steps", "1", "--sample-steps", "3", "--sde-window", "0:2",
+                 "--size", "32x16", "--out", str(tmp_path / "run"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["steps"] == 1 and str(tmp_path / "transformer") in report["model"]
+
+
+def test_a_step_that_turns_nan_stops_with_one_line_and_keeps_nothing(capsys, tmp_path):
+    line = fails(capsys, ["rl", "--random-weights", "--random-prompts", "4", "--steps", "3", "--sample-steps", "3",
+                          "--sde-window", "0:2", "--size", "32x16", "--lr", "1e12", "--out", str(tmp_path / "o"),
+                          "--no-progress"], code=1)
+    assert line.startswith("ditsp rl: step 1: ") and "training stopped" in line, line
+    assert line.endswith("no checkpoint was written"), line
+    assert not (tmp_path / "o" / "checkpoint.pt").exists()

@@ -194,6 +194,7 @@ class Run:
         self.trainer = Trainer(self.policy, self.sampler, cfg.grpo, reference)
         self.train_prompts, self.eval_prompts = load_prompts(cfg, self.policy.text_dim)
         self.step, self.losses, self.history, self.evals = 0, [], [], []
+        self.saved = 0  # the step of the last checkpoint written or resumed from (0: none)
 
     @property
     def rank0(self) -> bool:
@@ -254,6 +255,7 @@ class Run:
         return out / "checkpoint.pt", out / "history.json"
 
     def save(self) -> None:
+        self.saved = self.step
         if not self.rank0:
             return
         path, hist = self._paths()
@@ -276,6 +278,7 @@ class Run:
         if len(train) != step:
             raise ValueError(f"{hist}: {len(train)} step(s) of history, the checkpoint is at step {step}")
         self.step, self.losses, self.history, self.evals = step, losses, train, evals
+        self.saved = step
 
     def run(self) -> dict:
         cfg = self.cfg
@@ -292,7 +295,12 @@ class Run:
         if not any(e["step"] == self.step for e in self.evals):
             self.evals.append({"step": self.step, "reward": self.evaluate()})
         while self.step < cfg.steps:
-            record = self.train_step()
+            try:
+                record = self.train_step()
+            except ckpt.NonFiniteError as e:  # nothing non-finite was kept; say what is on disk
+                kept = f"the last checkpoint, after step {self.saved}, is kept" if self.saved else \
+                    "no checkpoint was written"
+                raise ckpt.NonFiniteError(f"{e}; {kept}") from None
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                 self.evals.append({"step": self.step, "reward": self.evaluate()})
             if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:

@@ -114,7 +114,7 @@ def folder_config(folder: str, flag: str, cls: str) -> dict:
         raise ValueError(f"{flag} {folder}: no readable config.json ({error_line(e)})") from None
     name = config.get("_class_name") if isinstance(config, dict) else None
     if name != cls:
-        raise ValueError(f"{flag} {folder}: holds a {name}, ditsp rl runs a {cls}")
+        raise ValueError(f"{flag} {folder}: holds {name}, ditsp rl runs {cls}")
     return config
 
 
