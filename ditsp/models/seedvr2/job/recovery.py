@@ -244,5 +244,5 @@ class Recovery:
         hint = (f"would fit (modelled under the {ran_out / GiB:.2f} GiB per rank that ran out): {', '.join(fits)}"
                 if fits else "nothing the memory model finds smaller would fit: try a smaller --resolution")
         return MemoryError(f"out of memory on rank {first['rank']} in window {index + 1}/{len(p.steps)} "
-                           f"({first['stage']}: {first['error']}), and {why}; {hint}")
+                           f"({first['stage']}), and {why}; {hint}; the failure: {first['error']}")
 
