@@ -84,20 +84,21 @@ while time.time() < end and os.getppid() == parent:
 
 
 def _probe() -> float:
-    """Matmuls per second of this rank, best of three timed runs."""
+    """Matmuls per second of this rank, the median of five timed runs (the share of its core it gets, on a
+    machine others use too, moves from run to run)."""
     import time
 
     import torch
 
     n, k = PROBE
     a = torch.rand(n, n)
-    best = float("inf")
-    for _ in range(3):
+    runs = []
+    for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(k):
             a @ a
-        best = min(best, time.perf_counter() - t0)
-    return k / best
+        runs.append(time.perf_counter() - t0)
+    return k / statistics.median(runs)
 
 
 def rank_measure(ctx, model: str, grid, repeats: int) -> dict:
@@ -280,6 +281,9 @@ def _write(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # as an open() would have made it, not mkstemp's owner-only mode
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -314,14 +318,17 @@ def main(args: argparse.Namespace, parser=None) -> int:
     if not args.no_measure:
         from ..distributed.launcher import LocalCluster
 
+        load = os.getloadavg()[0]
         with LocalCluster(2, timeout_s=900, threads=1) as cluster:
             measured = cluster.run(rank_measure, args.model, grid, args.repeats)
+        load = f"load average {load:.1f} before and {os.getloadavg()[0]:.1f} after the run on {os.cpu_count()} cores"
         how = ("each rank pinned to a core of its own, rank 1 sharing its core with a spinning process"
                if measured[0]["pinned"] else "NOT made unequal: fewer than two usable cores to pin to")
         lines = ["## Measured: two CPU ranks of unequal speed", "",
                  f"DiT `{args.model}` preset, seeded random weights, grid {'x'.join(map(str, grid))}, fp32, Plan A LPT, "
                  f"fast kernel calls, one thread per rank; {how}; median of {args.repeats} forwards per split, "
-                 "interleaved; speeds from a probe of matmuls on both ranks at once", "",
+                 f"interleaved; speeds from a probe of matmuls on both ranks at once; {load} (a wall time far above "
+                 "the CPU seconds is time the ranks spent waiting for a core other processes held)", "",
                  *measured_table(measured), "", *lines]
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     head = ["# Ranks of unequal capacity: equal vs capacity-aware split (`ditsp bench capacities`)", "",
