@@ -306,6 +306,14 @@ def test_model_folders_load_and_a_folder_of_another_class_is_refused(capsys, tmp
     line = fails(capsys, ["rl", "--transformer", str(tmp_path / "vae"), "--vae", str(tmp_path / "vae"),
                           "--random-prompts", "4"])
     assert "holds AutoencoderKLWan, ditsp rl runs WanTransformer3DModel" in line
+    import shutil
+
+    shutil.copytree(tmp_path / "vae", tmp_path / "vae0")
+    config = json.loads((tmp_path / "vae0" / "config.json").read_text())
+    (tmp_path / "vae0" / "config.json").write_text(json.dumps({**config, "scale_factor_spatial": 0}))
+    line = fails(capsys, ["rl", "--transformer", str(tmp_path / "transformer"), "--vae", str(tmp_path / "vae0"),
+                          "--random-prompts", "4"])  # a 0 would divide by zero
+    assert line.endswith("vae0/config.json: scale_factor_spatial must be an integer >= 1, got 0"), line
     from ditsp.cli import main
 
     assert main(["rl", "--transformer", str(tmp_path / "transformer"), "--vae", str(tmp_path / "vae"),

@@ -131,30 +131,46 @@ def latent_shape(cfg: SamplerConfig, channels: int, time_factor: int, space_fact
     return (channels, (cfg.frames - 1) // k + 1, cfg.height // s, cfg.width // s)
 
 
-def _factors(vae_config) -> tuple[int, int]:
-    get = vae_config.get if isinstance(vae_config, dict) else lambda k, d=None: getattr(vae_config, k, d)
-    return int(get("scale_factor_temporal", None) or 4), int(get("scale_factor_spatial", None) or 8)
+def _ints(config, key: str, default, n: int, where: str) -> tuple[int, ...]:
+    """``config[key]`` (``default`` when absent or None) as ``n`` integers >= 1 (one-line ValueError: a 0
+    would divide by zero)."""
+    v = config.get(key)
+    v = default if v is None else v
+    vals = tuple(v) if isinstance(v, (list, tuple)) else (v,)
+    if len(vals) != n or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in vals):
+        raise ValueError(f"{where}: {key} must be {'an integer' if n == 1 else f'{n} integers'} >= 1, "
+                         f"got {json.dumps(v)[:60]}")
+    return vals
 
 
-def check_configs(transformer: dict, vae: dict, cfg: SamplerConfig, deterministic: bool) -> int:
+def _factors(vae_config, where: str = "the VAE's config") -> tuple[int, int]:
+    """The VAE's (time, space) factors (diffusers' defaults 4 and 8 when its config leaves them out)."""
+    return (_ints(vae_config, "scale_factor_temporal", 4, 1, where)[0],
+            _ints(vae_config, "scale_factor_spatial", 8, 1, where)[0])
+
+
+def check_configs(transformer: dict, vae: dict, cfg: SamplerConfig, deterministic: bool,
+                  where: tuple[str, str] = ("the transformer's config", "the VAE's config")) -> int:
     """A transformer's and a VAE's config.json dicts checked against each other, the clip and the kernel
     policy, without any weights; returns the transformer's text width (one-line ValueError)."""
-    channels, z = transformer.get("in_channels", 16), vae.get("z_dim", 16)
+    (channels,) = _ints(transformer, "in_channels", 16, 1, where[0])
+    (z,) = _ints(vae, "z_dim", 16, 1, where[1])
     if channels != z:
         raise ValueError(f"the transformer takes {channels} latent channels, the VAE makes {z}")
-    latent_shape(cfg, channels, *_factors(vae), transformer.get("patch_size", (1, 2, 2)))
+    latent_shape(cfg, channels, *_factors(vae, where[1]), _ints(transformer, "patch_size", (1, 2, 2), 3, where[0]))
     if deterministic:
         try:
             check_config(transformer)
         except ParallelizeError as e:
             raise ValueError(str(e)) from None
-    return int(transformer.get("text_dim", 4096))
+    return _ints(transformer, "text_dim", 4096, 1, where[0])[0]
 
 
 def check_folders(transformer_dir: str, vae_dir: str, cfg: SamplerConfig, deterministic: bool) -> int:
     """:func:`check_configs` of two ``save_pretrained`` folders."""
     return check_configs(folder_config(transformer_dir, "--transformer", "WanTransformer3DModel"),
-                         folder_config(vae_dir, "--vae", "AutoencoderKLWan"), cfg, deterministic)
+                         folder_config(vae_dir, "--vae", "AutoencoderKLWan"), cfg, deterministic,
+                         (f"{transformer_dir}/config.json", f"{vae_dir}/config.json"))
 
 
 def load_models(transformer_dir: str, vae_dir: str) -> Models:
@@ -208,7 +224,7 @@ class Policy:
         if deterministic:
             fix_shapes(tr)
         vc = self.vae.config
-        self.time_factor, self.space_factor = _factors(vc)
+        self.time_factor, self.space_factor = _factors(dict(vc))
         self.channels = int(tr.config.in_channels)
         if self.channels != int(vc.z_dim):
             raise ValueError(f"the transformer takes {self.channels} latent channels, the VAE makes {vc.z_dim}")
