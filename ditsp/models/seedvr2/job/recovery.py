@@ -8,7 +8,8 @@ for the stage that failed:
 
 - a VAE stage: the first exact VAE mode of the table's ``auto`` order (:mod:`..vae.modes`) that the memory
   model says needs less per rank than the mode that failed, for this window and every later one it
-  helps; every exact mode gives the same bytes, so the output is that of a run without the failure.
+  helps; every exact mode gives one device's frames (bitwise under the deterministic kernel policy), so
+  the output is that of a run without the failure.
   Then ``tiled``: approximate, flagged in the report. Not under the latent stitch, which continues one
   causal decode from window to window in the mode it began with;
 - the DiT (its memory does not depend on the VAE's mode), or a VAE stage with no leaner mode left:
@@ -213,8 +214,9 @@ class Recovery:
             exact = BY_NAME[mode].exact
             return replace(plan, steps=steps), {
                 "kind": "vae_mode", "from": win.vae_mode, "to": mode, "exact": exact,
-                "output": "the same bytes as without the failure" if exact else
-                f"APPROXIMATE: the {mode} VAE's seams, not the bytes of an exact mode"}
+                "output": (f"APPROXIMATE: the {mode} VAE's seams, not the frames of an exact mode" if not exact else
+                           "the same bytes as without the failure" if plan.deterministic else
+                           "the frames of a run without the failure, within float tolerance")}
         return None
 
     def _fewer_frames(self, plan):
