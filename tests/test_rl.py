@@ -330,3 +330,15 @@ def test_a_step_that_turns_nan_stops_with_one_line_and_keeps_nothing(capsys, tmp
     assert line.startswith("ditsp rl: step 1: ") and "training stopped" in line, line
     assert line.endswith("no checkpoint was written"), line
     assert not (tmp_path / "o" / "checkpoint.pt").exists()
+
+
+def test_the_kl_term_is_the_gaussians_kl_and_zero_before_the_first_update(tmp_path):
+    from ditsp.rl.grpo import gaussian_kl
+
+    m, r = torch.randn(2, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
+    want = torch.distributions.kl_divergence(torch.distributions.Normal(m, 0.4), torch.distributions.Normal(r, 0.4))
+    assert gaussian_kl(m, r, 0.4).item() == pytest.approx(want.mean().item(), rel=1e-12)
+    run = Run(_cfg(tmp_path, kl=0.5, updates=1, deterministic=True))
+    run.run()
+    assert run.history[0]["kl"] == 0.0  # the policy is the reference model until its first update
+    assert run.history[1]["kl"] > 0.0

@@ -71,6 +71,12 @@ def ppo_loss(lp: torch.Tensor, old_lp: torch.Tensor, adv: float, clip: float) ->
     return torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)), ratio
 
 
+def gaussian_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: float) -> torch.Tensor:
+    """KL(N(mean, std^2) || N(ref_mean, std^2)), the mean over elements (float64)."""
+    d = mean.double() - ref_mean.double()
+    return (d * d).mean() / (2 * std * std)
+
+
 def step_log_prob(policy: Policy, rollout: Rollout, i: int, embeds: torch.Tensor, cfg: SamplerConfig):
     """(log-probability, SDE mean, std) of SDE step ``i`` of ``rollout`` under the policy's weights now;
     autograd follows the caller's mode."""
@@ -137,10 +143,9 @@ class Trainer:
                 lp, mean, std = step_log_prob(self.policy, r, i, embeds, self.sampler)
                 loss, ratio = ppo_loss(lp, r.log_probs[i - steps[0]], float(adv[j]), cfg.clip)
                 if ref_mean is not None:
-                    d = mean.double() - ref_mean.double()
-                    kl = (d * d).mean() / (2 * std * std)
+                    kl = gaussian_kl(mean, ref_mean, std)
                     loss = loss + cfg.kl * kl
-                    kls.append(float(kl))
+                    kls.append(float(kl.detach()))
                 (loss / len(pairs)).backward()
                 value = float(loss.detach())
                 if not math.isfinite(value):
