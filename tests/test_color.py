@@ -101,7 +101,10 @@ def test_drift_per_window_and_overall():
     assert r["windows"][0]["saturation_shift"] == 0.0
     assert r["windows"][1]["saturation_shift"] == pytest.approx(-1, abs=0.02)
     assert -1 < r["saturation_shift"] < 0 and "L*a*b*" in r["space"]
-    assert "saturation" in format_color_drift(r)
+    assert "saturation" in format_color_drift(r) and "per window" in format_color_drift(r)
+    for i in range(2, 8):
+        meter.add(i, ref[:1], ref[:1])
+    assert "the most saturation drift of 8 windows: 2: -" in format_color_drift(meter.report())
     with pytest.raises(ValueError, match="equal"):
         color_drift(ref, ref[:, :4])
 

@@ -46,7 +46,9 @@ def test_the_meter_fed_in_chunks_equals_the_whole_clip():
     for a, b in ((0, 1), (1, 7), (7, 7), (7, 23)):
         meter.add(frames[a:b])
     assert meter.report() == seam_measure(frames, spans)
-    assert "window join(s)" in format_seams(meter.report())
+    assert "window join(s)" in format_seams(meter.report()) and "per join" in format_seams(meter.report())
+    many = seam_measure(ramp(60), plan_windows(60, 9, 4).seams())
+    assert len(many["each"]) > 6 and "the most of" in format_seams(many)
 
 
 def test_no_seam_no_report_and_undefined_ratios_are_none():

@@ -28,6 +28,7 @@ import torch
 from .lab import rgb_to_lab
 
 MAX_PIXELS = 2**16
+LISTED = 6  # windows the text line lists one by one; past that, the one that drifts most (--json has all)
 _SUMS = ("n", "chroma_out", "chroma_in", "cross", "dot", "lightness")
 
 
@@ -97,7 +98,14 @@ def format_color_drift(d: dict) -> str:
     def sat(v):
         return "n/a" if v is None else f"{100 * v:+.1f}%"
 
-    per = ", ".join(f"{w['window'] + 1}: {sat(w['saturation_shift'])} / {f(w['hue_shift_deg'], ' deg')}"
-                    for w in d["windows"])
+    def window(w):
+        return f"{w['window'] + 1}: {sat(w['saturation_shift'])} / {f(w['hue_shift_deg'], ' deg')}"
+
+    ws = d["windows"]
+    if len(ws) <= LISTED:
+        per = "per window, saturation / hue: " + ", ".join(window(w) for w in ws)
+    else:
+        most = max(ws, key=lambda w: abs(w["saturation_shift"] or 0.0))
+        per = f"the most saturation drift of {len(ws)} windows: {window(most)}"
     return (f"colour drift vs the input's upscale ({d['space']}): saturation {sat(d['saturation_shift'])}, hue "
-            f"{f(d['hue_shift_deg'], ' deg')}, lightness {f(d['lightness_shift'])} L* (per window: {per})")
+            f"{f(d['hue_shift_deg'], ' deg')}, lightness {f(d['lightness_shift'])} L* ({per})")

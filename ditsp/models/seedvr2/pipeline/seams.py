@@ -93,11 +93,22 @@ class SeamMeter:
         return seam_report(self.steps, self.spans) if self.spans and self.steps else None
 
 
+LISTED = 6  # joins the text line lists one by one; past that, the one that stands out most (--json has all)
+
+
 def format_seams(m: dict) -> str:
     """One line of the text report."""
     def r(v):
         return "n/a" if v is None else f"{v:.2f}"
 
-    each = ", ".join(f"{s['frames'][0]}-{s['frames'][1]} {r(s['ratio'])}" for s in m["each"])
-    return (f"seams: mean frame-to-frame change {m['change']:.2f} across the {len(m['each'])} window join(s) vs median "
-            f"{r(m['inside_median'])} inside windows, ratio {r(m['ratio'])} (per join, frames: {each})")
+    def join(s):
+        return f"{s['frames'][0]}-{s['frames'][1]} {r(s['ratio'])}"
+
+    each = m["each"]
+    if len(each) <= LISTED:
+        per = "per join, frames: " + ", ".join(join(s) for s in each)
+    else:
+        worst = max(each, key=lambda s: -1.0 if s["ratio"] is None else s["ratio"])
+        per = f"the most of {len(each)} joins: frames {join(worst)}"
+    return (f"seams: mean frame-to-frame change {m['change']:.2f} across the {len(each)} window join(s) vs median "
+            f"{r(m['inside_median'])} inside windows, ratio {r(m['ratio'])} ({per})")
