@@ -70,7 +70,7 @@ def test_a_group_that_says_done_with_seeds_missing_gives_them_back():
 def test_bad_requests_and_units_are_refused():
     with pytest.raises(ValueError, match="distinct"):
         Request("a", "explore", 0, 0, (1, 1))
-    with pytest.raises(ValueError, match="rollout, explore"):
+    with pytest.raises(ValueError, match="rollout, explore, audit"):
         Request("a", "train", 0, 0, (1,))
     q = _queue(Request("a", "explore", 0, 0, (1,)))
     with pytest.raises(ValueError, match="submitted twice"):

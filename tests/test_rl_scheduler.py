@@ -20,7 +20,7 @@ from ditsp.rl.leases import Request, RequestQueue
 from ditsp.rl.scheduler import SpotPool
 from ditsp.rl.trace import parse
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.ranks]  # spot workers are processes
 
 
 class Toy:

@@ -9,6 +9,7 @@ docs/rl.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from dataclasses import asdict
@@ -80,6 +81,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     par.add_argument("--no-progress", action="store_true")
     par.add_argument("--timeout", type=timeout_seconds, default=600.0,
                      help="seconds a rank may go without progress before it counts as stuck")
+    from ..rl.spot_config import add_arguments as add_spot_arguments
+
+    add_spot_arguments(p)
     p.set_defaults(func=run_command)
     return p
 
@@ -137,8 +141,12 @@ def run_command(args, parser) -> int:
     from ..errors import one_line
     from ..memory import check_local_cores, check_local_ranks
 
+    from ..rl.spot_config import from_args as spot_of
+
     try:
         cfg = config_of(args)
+        spot = spot_of(args)
+        spot.check(cfg.group_size, cfg.sp)
         preflight(cfg)
     except ImportError as e:  # diffusers missing
         parser.error(f"ditsp rl needs diffusers (pip install 'ditsp[diffusers]'): {e}")
@@ -157,7 +165,11 @@ def run_command(args, parser) -> int:
         print("ditsp rl: RANDOM WEIGHTS: a seeded tiny Wan and VAE (--random-weights), a test, not a model",
               file=sys.stderr)
     from ..rl.loop import rank_rl
+    from ..rl.scheduler import SpotError
+    from ..rl.spot_run import explore_line, rank_spot_run
 
+    if spot.explore != "none":  # seed exploration (docs/rl.md): the loop with its hooks wired
+        rank_rl = functools.partial(rank_spot_run, spot=spot)
     try:
         if torchrun:
             ctx = init_from_env(timeout_s=args.timeout)
@@ -174,7 +186,7 @@ def run_command(args, parser) -> int:
             result = rank_rl(RankContext(0, 1, None, torch.device("cpu")), cfg)
         else:
             result = launch(rank_rl, cfg.sp, cfg, timeout_s=args.timeout)[0]
-    except (RankError, ValueError, OSError) as e:  # a rank's report: its first line names the cause
+    except (RankError, ValueError, OSError, SpotError) as e:  # a rank's report: its first line names the cause
         print(f"ditsp rl: {str(e).splitlines()[0] if isinstance(e, RankError) else one_line(str(e))}",
               file=sys.stderr)
         return 1
@@ -187,4 +199,6 @@ def run_command(args, parser) -> int:
           f"{result['eval_after']:.6g}; first-update ratios {ratio[0]!r}..{ratio[1]!r}; "
           f"{result['s_per_step']} s/step; {cfg.out}" if ratio else
           f"rl {cfg.reward}: {result['steps']} steps; held-out reward {result['eval_after']:.6g}; {cfg.out}")
+    if "cost" in result:
+        print(explore_line(result))
     return 0

@@ -12,8 +12,8 @@ gets a new one). Results come back one unit at a time by :meth:`commit`, keyed b
 
 :meth:`release` returns what a group had not finished to the queue (its committed units stay committed), so
 a preempted group loses at most the unit in flight, and a request finishes exactly once, when every unit
-is kept. Rollout requests are leased before exploration ones (they are on the trainer's critical path);
-within a kind, the oldest first. Every counter :meth:`audit` reports is what the exactly-once check reads.
+is kept. Rollout requests are leased before exploration ones (they are on the trainer's critical path), and
+audit requests (the stale-weight premise measured: off every path) last; within a kind, the oldest first. Every counter :meth:`audit` reports is what the exactly-once check reads.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-KINDS = ("rollout", "explore")  # lease order: a rollout before any exploration
+KINDS = ("rollout", "explore", "audit")  # lease order: rollouts, then exploration, then the premise's audit
 
 
 @dataclass(frozen=True)

@@ -184,8 +184,12 @@ class Run:
     """One rank's run (every rank of ``group`` holds the same state); see the module docstring."""
 
     def __init__(self, cfg: RLConfig, group=None, choose_seeds: SeedChooser | None = None,
-                 after_step: Callable[[int, Policy, UpdateStats], None] | None = None):
+                 after_step: Callable[[int, Policy, UpdateStats], None] | None = None,
+                 sample_rollouts: Callable[[int, list], list] | None = None):
         self.cfg, self.choose_seeds, self.after_step = cfg, choose_seeds, after_step
+        # sample_rollouts(step, [(prompt, seeds)]) -> the scored rollouts in that order, sampled elsewhere
+        # with this step's weights (spot workers: ditsp.rl.spot_run); None: on this group
+        self.sample_rollouts = sample_rollouts
         self.comm = Comm.of(group)
         self.sampler = cfg.sampler
         self.policy = Policy(build_models(cfg), group, cfg.deterministic)
@@ -216,6 +220,8 @@ class Run:
         everyone = self.comm.all_gather_object(chosen)
         if any(c != chosen for c in everyone):
             raise ValueError(f"step {step + 1}: the ranks chose different seeds ({everyone})")
+        if self.sample_rollouts is not None:
+            return self.sample_rollouts(step, chosen)
         out = [sample(self.policy, self.train_prompts[p:p + 1], s, self.sampler, prompt=p, decode=False)
                for p, seeds in chosen for s in seeds]
         score(self.policy, out, self.cfg.reward)

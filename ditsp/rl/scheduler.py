@@ -47,6 +47,17 @@ POLL_S = 0.02  # the loop's longest sleep: how late a queued request or a trace 
 FAILURES = 2  # the same unit failing this often on intact groups stops the pool
 
 
+@dataclass(frozen=True)
+class Unit:
+    """A unit a spot group's rank 0 finished (``seed``) or abandoned (``seed`` None: wasted work)."""
+
+    request: str
+    seed: int | None
+    worker: str  # the process (name.incarnation)
+    wall_s: float
+    cpu_s: float  # of rank 0's main thread
+
+
 @dataclass
 class _Worker:
     name: str  # the trace's name
@@ -78,6 +89,10 @@ class _Group:
         return not self.broken and len(self.formed) == len(self.members)
 
 
+class SpotError(RuntimeError):
+    """The spot pool stopped (one line): a task failing on intact groups, or work left with no worker."""
+
+
 class SpotPool:
     """Spot workers following ``trace``, pulling from ``queue`` and running ``task`` (see :mod:`.spot`).
 
@@ -102,7 +117,7 @@ class SpotPool:
         self.workers: list[_Worker] = []
         self.groups: list[_Group] = []
         self.events: list[dict] = []  # what happened, with the run's time
-        self.units: list[tuple[str, str, float]] = []  # (kind, worker, seconds) of every unit committed
+        self.units: list[Unit] = []  # every unit kept, and the CPU time of every unit abandoned
         self.error: str | None = None
         self._incarnations: dict[str, int] = {}
         self._next_event = 0
@@ -144,7 +159,7 @@ class SpotPool:
     def check(self) -> None:
         """Raise the pool's error (one line) if it stopped; the queue's waiters call it."""
         if self.error:
-            raise RuntimeError(self.error)
+            raise SpotError(self.error)
 
     def close(self) -> None:
         """Stop the loop and every worker (asked, then killed); their paid time ends now."""
@@ -264,16 +279,18 @@ class SpotPool:
             if g is not None and g.generation == msg[1]:
                 g.wants = True  # served once every member has formed
         elif kind == "unit":
-            _, rid, gen, seed, result, secs = msg
+            _, rid, gen, seed, result, wall_s, cpu_s = msg
             if g is not None and g.generation == gen:
                 if self.queue.commit(rid, g.owner, gen, seed, result) == "kept":
-                    self.units.append((g.request.kind if g.request else "?", w.name, float(secs)))
+                    self.units.append(Unit(rid, seed, w.key, float(wall_s), float(cpu_s)))
         elif kind == "done":
             if g is not None and g.generation == msg[2]:
                 self.queue.done(msg[1], g.owner, msg[2])
                 g.request = None
         elif kind in ("aborted", "failed"):
-            _, rid, gen, why = msg
+            _, rid, gen, why, cpu_s = msg
+            if rid is not None and cpu_s > 0:
+                self.units.append(Unit(rid, None, w.key, 0.0, float(cpu_s)))
             if g is not None and g.generation == gen and not g.broken:
                 if kind == "failed" and all(m.proc.is_alive() and m.leaving_at is None for m in g.members):
                     n = self._failures[rid] = self._failures.get(rid, 0) + 1

@@ -121,7 +121,7 @@ def spot_main(parent_pid: int, name: str, port: int, timeout_s: float, task_blob
                 except Exception as e:  # noqa: BLE001 - a member gone while forming: the pool re-forms
                     group.drop()
                     group.world, group.gen = 1, -1
-                    conn.send(("aborted", None, gen, f"forming the group failed: {error_line(e)}"))
+                    conn.send(("aborted", None, gen, f"forming the group failed: {error_line(e)}", 0.0))
                     continue
                 conn.send(("formed", gen))
                 if rank == 0:
@@ -142,6 +142,7 @@ def spot_main(parent_pid: int, name: str, port: int, timeout_s: float, task_blob
         os._exit(0)
     group.drop()
     _bye(conn)
+    os._exit(0)  # told to stop: nothing is left to write, and an interpreter's teardown with torch takes seconds
 
 
 def _bye(conn) -> None:
@@ -152,31 +153,32 @@ def _bye(conn) -> None:
 
 
 def _run(task, group, request, gen, conn, st, error_line) -> None:
-    """Every unit of ``request`` on this worker's group; rank 0 commits each as it ends."""
+    """Every unit of ``request`` on this worker's group; rank 0 commits each as it ends, with its wall and CPU
+    seconds (an abandoned unit's CPU seconds go with its ``aborted``: the work a preemption wasted)."""
     leader = group.rank == 0
     ctx = group.context()
     for seed in request.seeds:
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.thread_time()
         st.unit_start = t0
         try:
             result = task.run(ctx, request, seed)
         except PeerLost:
             st.unit_start = None
-            conn.send(("aborted", request.id, gen, "a peer of the group was lost"))
+            conn.send(("aborted", request.id, gen, "a peer of the group was lost", time.thread_time() - c0))
             return
         except Preempted:
             st.unit_start = None
             if leader:
-                conn.send(("aborted", request.id, gen, "preempted"))
+                conn.send(("aborted", request.id, gen, "preempted", time.thread_time() - c0))
             raise
         except Exception as e:  # noqa: BLE001 - a broken collective (a peer died) or a task's own failure
             st.unit_start = None
-            conn.send(("failed", request.id, gen, error_line(e)))
+            conn.send(("failed", request.id, gen, error_line(e), time.thread_time() - c0))
             return
         st.unit_start = None
         st.timed(time.monotonic() - t0)
         if leader:
-            conn.send(("unit", request.id, gen, seed, result, time.monotonic() - t0))
+            conn.send(("unit", request.id, gen, seed, result, time.monotonic() - t0, time.thread_time() - c0))
         if st.term:  # finished inside the grace period: committed, now leave
             return
     if leader:
