@@ -183,8 +183,8 @@ class Recovery:
             raise Restart(new_plan)
         return new_plan
 
-    # the model of a VAE mode's per-rank peak for a window of ``padded`` frames
     def _peak(self, plan, padded: int, mode: str) -> int:
+        """The memory model's per-rank peak of VAE ``mode`` (encode or decode) for a window of ``padded`` frames."""
         dtype = DTYPES[self.req.weights.dtype]
         backend = backend_of(self.device, plan.deterministic)
         wino = counts_winograd(self.device, plan.deterministic)
