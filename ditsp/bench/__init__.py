@@ -12,7 +12,7 @@ import argparse
 # One module per benchmark, in the order `ditsp bench -h` lists them.
 BENCHMARKS = ("attention", "forward", "planners", "determinism", "packed", "crossover", "link", "vae", "elastic",
               "sparse", "transport", "overlap", "diffusers", "weights", "weights_sp", "speed", "winograd", "malloc", "job", "gather",
-              "restorer", "capacities", "seams_colour")
+              "restorer", "capacities", "seams_colour", "rl_spot")
 
 
 def declare(sub, name: str, help: str, description: str | None, arguments, main) -> argparse.ArgumentParser:

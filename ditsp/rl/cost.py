@@ -57,16 +57,17 @@ class CostLedger:
                 return
         raise ValueError(f"worker {worker} left without having joined")
 
-    def seconds(self, until: float) -> dict[str, float]:
-        """Device-seconds held per kind up to ``until`` (open stretches counted to it)."""
+    def seconds(self, until: float, since: float | None = None) -> dict[str, float]:
+        """Device-seconds held per kind up to ``until`` (open stretches counted to it), from ``since`` if given."""
         out = {k: 0.0 for k in KINDS}
         for _, kind, start, end in self.stretches:
+            start = start if since is None else max(start, since)
             out[kind] += max(0.0, (until if end is None else min(end, until)) - start)
         return out
 
-    def report(self, until: float) -> dict:
+    def report(self, until: float, since: float | None = None) -> dict:
         """Seconds per kind, the cost in on-demand device-hours, and the prices it assumed."""
-        secs = self.seconds(until)
+        secs = self.seconds(until, since)
         cost = sum(self.prices.per_second(k) * s for k, s in secs.items())
         return {"reserved_s": secs["reserved"], "spot_s": secs["spot"], "cost_device_hours": cost,
                 "spot_fraction": self.prices.spot_fraction, "prices": self.prices.describe()}

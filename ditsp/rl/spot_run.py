@@ -195,16 +195,19 @@ class SpotRun:
 
     def _budget(self, prompts: int) -> int:
         """Candidates for a step of ``prompts`` prompts: the configured average, else (stale) what the spot
-        groups score in one update's time, between the rollouts alone and :data:`MAX_PER_PROMPT` x them."""
+        groups score in one update's time, between the rollouts alone and :data:`MAX_PER_PROMPT` x them. Times
+        are CPU seconds (the trainer's last step, a unit's median), so the budget fits on devices of their
+        own, as the run's timeline models them, however busy the machine."""
         n = self.cfg.group_size
         if self.spot.candidates:
             return self.spot.candidates * prompts
         if not self.stale:
             return 2 * n * prompts
-        units = [u.wall_s for u in list(self.pool.units)[-16:] if u.seed is not None]
-        update_s = self.run.history[-1]["update_s"] if self.run.history else None
-        if not units or not update_s:
+        units = [u.cpu_s for u in list(self.pool.units)[-16:] if u.seed is not None]
+        done = [k for k, v in self.steps.items() if "cpu_s" in v]
+        if not units or not done:
             return 2 * n * prompts
+        update_s = self.steps[max(done)]["cpu_s"]  # the trainer's CPU seconds of a step: its update
         groups = max(1, self.pool.live() // self.spot.spot_sp)
         fit = int(groups * update_s / statistics.median(units))
         return max(n * prompts, min(fit, MAX_PER_PROMPT * n * prompts))
@@ -248,6 +251,7 @@ class SpotRun:
             "steps_timing": {k: {x: round(v, 4) for x, v in self.steps[k].items()} for k in sorted(self.steps)},
             "modelled_s": {k: round(v, 4) for k, v in modelled.items()},
             "wall_s": round(wall_s, 3), "cost": self.ledger.report(end),
+            "cost_in_run": self.ledger.report(end, since=end - wall_s),  # spot start-up before the run left out
             "digests": self.digests, "checkpoint_digest": self._checkpoint_digest(),
         }
         out["checkpoint_consistent"] = out["checkpoint_digest"] == self.digests.get(cfg.steps)
