@@ -8,8 +8,9 @@ restorer`` makes them): ``held-out``, the main job's panned crop of ``chelsea`` 
 Each clip is restored by the shipped small restorer (``--model tiny``), one device, ``--deterministic``, in
 ``--window-frames`` windows sharing ``--overlap`` frames, once per setting:
 
-* stitches (colour fix ``wavelet``): ``cosine``, ``hann``, ``latent``, and a hard cut (``--overlap 0``: the
-  windows butt, nothing blended) as the reference of a visible join. Per setting: the seam measure
+* stitches (colour fix ``wavelet``): ``cosine``, ``hann``, ``latent``, and ``--overlap 0`` (the windows share
+  only the frames the plan has left over, at most a window's step less one: the nearest to a hard cut the
+  plan makes) as the reference of a join hardly blended. Per setting: the seam measure
   (``ditsp.models.seedvr2.pipeline.seams``: per join and overall, the mean frame-to-frame change across the
   join over the median inside windows), the VAE decode's seconds and the job's (the sum of its stages);
 * colour fixes (stitch ``cosine``): ``wavelet``, ``adain``, ``lab``, ``none``. Per setting: the colour drift of
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from . import declare
 
-STITCH_ROWS = ("hard cut", "cosine", "hann", "latent")  # "hard cut": overlap 0, nothing to blend
+STITCH_ROWS = ("overlap 0", "cosine", "hann", "latent")  # "overlap 0": the cosine stitch, nothing shared but leftovers
 COLOR_ROWS = ("wavelet", "adain", "lab", "none")
 
 
@@ -111,7 +112,7 @@ def clean_drift(inp: str, ref: str, size: tuple[int, int]) -> dict:
 
 def settings() -> list[tuple[str, str, str, bool]]:
     """(row, stitch, colour fix, whether the overlap is 0) of every run; cosine + wavelet serves both tables."""
-    runs = [(row, "cosine" if row == "hard cut" else row, "wavelet", row == "hard cut") for row in STITCH_ROWS]
+    runs = [(row, "cosine" if row == "overlap 0" else row, "wavelet", row == "overlap 0") for row in STITCH_ROWS]
     runs += [(fix, "cosine", fix, False) for fix in COLOR_ROWS if fix != "wavelet"]
     return runs
 
@@ -159,7 +160,8 @@ def tables(clip: dict) -> list[str]:
     rows = clip["rows"]
     base = rows["cosine"]["seconds"]
     out = [f"### {clip['clip']}: {clip['input']}, {clip['frames']} frames", "",
-           f"Windows (cosine, hann): {clip['windows']}; latent: {clip['latent_windows']}.", "",
+           f"Windows (cosine, hann): {clip['windows']}; latent: {clip['latent_windows']}; overlap 0: "
+           f"{clip['rows']['overlap 0']['windows']}.", "",
            "| stitch | seam ratio overall | per join | inside median | frames decoded | decode s | job s (x cosine) | "
            "PSNR / SSIM |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
     for row in STITCH_ROWS:
