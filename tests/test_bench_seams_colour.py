@@ -14,8 +14,9 @@ pytestmark = pytest.mark.timeout(900)
 
 def test_every_stitch_and_colour_fix_runs_once_and_cosine_wavelet_serves_both_tables():
     runs = bench.settings()
-    assert [r[0] for r in runs] == ["overlap 0", "cosine", "hann", "latent", "adain", "lab", "none"]
-    assert ("overlap 0", "cosine", "wavelet", True) in runs and ("lab", "cosine", "lab", False) in runs
+    assert [r[0] for r in runs] == ["overlap 0", "cosine", "hann", "latent", "one window", "adain", "lab", "none"]
+    assert ("overlap 0", "cosine", "wavelet", "overlap 0") in runs and ("lab", "cosine", "lab", "") in runs
+    assert ("one window", "cosine", "wavelet", "one window") in runs and ("latent", "latent", "wavelet", "") in runs
 
 
 def test_a_small_clip_end_to_end(tmp_path, capsys):
@@ -25,7 +26,9 @@ def test_a_small_clip_end_to_end(tmp_path, capsys):
     assert "held-out" in text and "cores" in text and "| latent |" in text and "| (the clean original) |" in text
     got = json.loads((tmp_path / "seams-colour.json").read_text())
     rows = got["clips"][0]["rows"]
-    assert set(rows) == {"overlap 0", "cosine", "hann", "latent", "adain", "lab", "none"}
+    assert set(rows) == {"overlap 0", "cosine", "hann", "latent", "one window", "adain", "lab", "none"}
+    assert rows["one window"]["seams"] is None and len(rows["one window"]["per_frame_psnr"]) == 7
+    assert "PSNR per frame" in text
     assert rows["overlap 0"]["seams"]["each"] and rows["latent"]["frames_decoded"] < rows["cosine"]["frames_decoded"]
     assert rows["cosine"]["frames_decoded"] == 10  # two windows of 5 frames, each decoded whole
     assert rows["latent"]["frames_decoded"] == 7  # the clip's timeline, once

@@ -10,7 +10,9 @@ Each clip is restored by the shipped small restorer (``--model tiny``), one devi
 
 * stitches (colour fix ``wavelet``): ``cosine``, ``hann``, ``latent``, and ``--overlap 0`` (the windows share
   only the frames the plan has left over, at most a window's step less one: the nearest to a hard cut the
-  plan makes) as the reference of a join hardly blended. Per setting: the seam measure
+  plan makes) as the reference of a join hardly blended, and the whole clip as one window (no join: what a
+  decode that never restarts gives). Per frame, the PSNR of each against the clean original (the ``.json``
+  and a line of the ``.md``): where in a window the quality lies. Per setting: the seam measure
   (``ditsp.models.seedvr2.pipeline.seams``: per join and overall, the mean frame-to-frame change across the
   join over the median inside windows), the VAE decode's seconds and the job's (the sum of its stages);
 * colour fixes (stitch ``cosine``): ``wavelet``, ``adain``, ``lab``, ``none``. Per setting: the colour drift of
@@ -35,7 +37,8 @@ from pathlib import Path
 
 from . import declare
 
-STITCH_ROWS = ("overlap 0", "cosine", "hann", "latent")  # "overlap 0": the cosine stitch, nothing shared but leftovers
+# "overlap 0": the cosine stitch, nothing shared but leftovers; "one window": the whole clip, no join
+STITCH_ROWS = ("overlap 0", "cosine", "hann", "latent", "one window")
 COLOR_ROWS = ("wavelet", "adain", "lab", "none")
 
 
@@ -110,10 +113,12 @@ def clean_drift(inp: str, ref: str, size: tuple[int, int]) -> dict:
     return color_drift(clean, up)
 
 
-def settings() -> list[tuple[str, str, str, bool]]:
-    """(row, stitch, colour fix, whether the overlap is 0) of every run; cosine + wavelet serves both tables."""
-    runs = [(row, "cosine" if row == "overlap 0" else row, "wavelet", row == "overlap 0") for row in STITCH_ROWS]
-    runs += [(fix, "cosine", fix, False) for fix in COLOR_ROWS if fix != "wavelet"]
+def settings() -> list[tuple[str, str, str, str]]:
+    """(row, stitch, colour fix, windows: "overlap 0", "one window" or "") of every run; cosine + wavelet serves
+    both tables."""
+    runs = [(row, row if row in ("cosine", "hann", "latent") else "cosine", "wavelet",
+             row if row in ("overlap 0", "one window") else "") for row in STITCH_ROWS]
+    runs += [(fix, "cosine", fix, "") for fix in COLOR_ROWS if fix != "wavelet"]
     return runs
 
 
@@ -123,10 +128,11 @@ def measure(name: str, inp: str, ref: str, folder: Path, args) -> dict:
     reports: dict[str, dict] = {}
     times: dict[str, dict[str, float]] = {}
     for r in range(args.rounds):
-        for row, stitch, fix, cut in settings():
+        for row, stitch, fix, windows in settings():
             out = folder / f"{row.replace(' ', '-')}.mp4"
-            rep = restore(inp, str(out), stitch=stitch, color_fix=fix, window_frames=args.window_frames,
-                          overlap=0 if cut else args.overlap, threads=args.threads)
+            rep = restore(inp, str(out), stitch=stitch, color_fix=fix,
+                          window_frames=0 if windows == "one window" else args.window_frames,
+                          overlap=0 if windows == "overlap 0" else args.overlap, threads=args.threads)
             if row in reports and rep["sha256"] != reports[row]["sha256"]:
                 raise RuntimeError(f"{name}, {row}: round {r + 1} wrote other frames than round 1 under --deterministic")
             reports[row] = rep
@@ -139,8 +145,10 @@ def measure(name: str, inp: str, ref: str, folder: Path, args) -> dict:
     for row, rep in reports.items():
         restored = quality.read_frames(rep["output"])
         q = quality.report(restored, source, clean)["restored"]["overall"]
+        q["per_frame"] = [round(p, 2) for p, _ in quality.frame_scores(restored, clean[:restored.shape[0]])]
         rows[row] = {"seams": rep["seams"], "color_drift": rep["color_drift"], "psnr": q["psnr"], "ssim": q["ssim"],
-                     "seconds": times[row], "frames_decoded": rep["frames_decoded"], "windows": rep["windows"],
+                     "per_frame_psnr": q["per_frame"], "seconds": times[row], "frames_decoded": rep["frames_decoded"],
+                     "windows": rep["windows"],
                      "sha256": rep["sha256"]}
     first = next(iter(reports.values()))
     return {"clip": name, "input": first["geometry"], "frames": first["frames_written"], "rows": rows,
@@ -184,6 +192,9 @@ def tables(clip: dict) -> list[str]:
     c = clip["clean_drift"]
     out.append(f"| (the clean original) | {_pct(c['saturation_shift'])} | {_r(c['hue_shift_deg'], '{:+.2f}')} deg | "
                f"{_r(c['lightness_shift'], '{:+.2f}')} | | | |")
+    out += ["", "PSNR per frame (dB):", ""]
+    out += [f"- {row}: {', '.join(f'{p:.1f}' for p in rows[row]['per_frame_psnr'])}"
+            for row in ("cosine", "latent", "one window")]
     return out
 
 
