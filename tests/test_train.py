@@ -123,3 +123,44 @@ def test_one_step_under_sp_matches_one_device(clusters, tmp_path):
     c = check(cfg, results[0])
     assert c["relative"] < 1e-5, c
     assert c["loss_sp"] == pytest.approx(c["loss_one_device"], rel=1e-6)
+
+
+def test_a_restorer_from_scratch_starts_as_the_identity_on_the_degraded_latent():
+    """init_dit_as_identity: the one-step sample x0 = noise - v is the condition (to about 2% of its
+    spread) at the sampling timestep, through the whole forward and the window runtime."""
+    import torch
+
+    from ditsp.models.seedvr2.nadit.model import build_model
+    from ditsp.models.seedvr2.parallelize import single_runtime
+    from ditsp.models.seedvr2.pipeline.condition import SCHEDULE_T, dit_input
+    from ditsp.models.seedvr2.presets import dit_config
+    from ditsp.train.loop import text_embedding
+    from ditsp.train.objective import init_dit_as_identity
+
+    dit = init_dit_as_identity(build_model(dit_config("tiny"), seed=0))
+    g = torch.Generator().manual_seed(3)
+    noise, cond = torch.randn(5, 12, 16, 16, generator=g), torch.randn(5, 12, 16, 16, generator=g) * 0.8
+    with torch.no_grad():
+        v = dit(dit_input(noise, cond), text_embedding(dit), SCHEDULE_T,
+                runtime=single_runtime(dit.cfg, dit.grid_of(noise.shape)))
+    err = ((noise - v) - cond).pow(2).mean().sqrt()
+    assert err < 0.02 * cond.std(), err
+    seeded = build_model(dit_config("tiny"), seed=0)  # the seeded weights are nowhere near it
+    with torch.no_grad():
+        v0 = seeded(dit_input(noise, cond), text_embedding(seeded), SCHEDULE_T,
+                    runtime=single_runtime(seeded.cfg, seeded.grid_of(noise.shape)))
+    assert ((noise - v0) - cond).pow(2).mean().sqrt() > 0.5 * cond.std()
+
+
+def test_an_identity_start_refuses_a_model_too_narrow_to_carry_the_latent():
+    import dataclasses
+
+    import pytest
+
+    from ditsp.models.seedvr2.nadit.model import NaDiT
+    from ditsp.models.seedvr2.presets import dit_config
+    from ditsp.train.objective import init_dit_as_identity
+
+    narrow = dataclasses.replace(dit_config("tiny"), vid_dim=48, heads=2, head_dim=24, rope_dim=24)
+    with pytest.raises(ValueError, match="needs vid_dim >= 65"):
+        init_dit_as_identity(NaDiT(narrow))

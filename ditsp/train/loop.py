@@ -32,7 +32,7 @@ from ..models.seedvr2.vae.model import VideoVAE
 from ..weights import is_quantized
 from . import checkpoint as ckpt
 from .data import ClipPairs
-from .objective import OBJECTIVES, check_vae_training, dit_loss, init_for_training, vae_loss
+from .objective import OBJECTIVES, check_vae_training, dit_loss, init_dit_as_identity, init_for_training, vae_loss
 from ..models.seedvr2.presets import MODELS, dit_config, vae_config
 from ..models.seedvr2.vae.fixtures import seeded_vae
 from ..models.seedvr2.vae.checkpoint import load_checkpoint as load_vae
@@ -117,6 +117,8 @@ def build(cfg: TrainConfig):
     """(dit, vae, the trainable modules by name, their parameters) of ``cfg``, fp32."""
 
     dit = build_model(dit_config(cfg.model), checkpoint=cfg.dit, seed=0)
+    if cfg.objective == "dit" and not cfg.dit:
+        init_dit_as_identity(dit)  # a restorer from scratch starts at "x0 = the degraded latent"
     vae_cfg = vae_config(cfg.model)
     vae = seeded_vae(vae_cfg, 7)
     if cfg.vae:

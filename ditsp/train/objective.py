@@ -72,13 +72,20 @@ def init_for_training(vae: VideoVAE, seed: int = 7) -> VideoVAE:
     He-normal convs, unit-scale linears, zero biases, unit norms, and every residual branch's last layer
     (each resnet's ``conv2``, the attention's output projection) at zero, so each block starts as the
     identity and the signal reaches the loss through the down- and up-sampling path alone: measured on
-    the small restorer's VAE, training loss 0.29 after 300 steps against 0.41 from the vectors' recipe."""
+    the small restorer's VAE, training loss 0.29 after 300 steps against 0.41 from the vectors' recipe.
+
+    Every causal conv starts as a per-frame conv: its past-frame taps at zero, He-normal over one frame's
+    fan-in on the current frame. Started with all taps drawn, a VAE trained on short clips learned to lean
+    on past frames, and every frame after the first came out ~7 dB worse on moving clips; from this start
+    the held-out clip's later frames reached 25 dB in 400 steps against 19 dB."""
     g = torch.Generator().manual_seed(seed)
     for name, p in vae.named_parameters():
         if name.endswith("bias"):
             p.zero_()
         elif p.dim() == 5:
-            p.copy_(torch.randn(p.shape, generator=g) * math.sqrt(2.0 / p[0].numel()))
+            p.zero_()
+            current = p[:, :, -1]  # the causal conv's tap on the current frame (time is padded on the past)
+            current.copy_(torch.randn(current.shape, generator=g) * math.sqrt(2.0 / current[0].numel()))
         elif p.dim() == 2:
             p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
         else:
@@ -123,6 +130,59 @@ def dit_loss(dit, vae: VideoVAE, text: torch.Tensor, degraded: torch.Tensor, cle
         v = dit(dit_input(noise, c).to(dit.dtype), text.to(dit.dtype), SCHEDULE_T, runtime=runtime)
         losses.append(F.mse_loss(noise - v.float(), z))
     return torch.stack(losses).mean()
+
+
+IDENTITY_CARRIER = 40.0  # the constant hidden unit of init_dit_as_identity: it holds the head's RMS near constant
+
+
+@torch.no_grad()
+def init_dit_as_identity(dit, seed: int = 0):
+    """Weights a restoring DiT trained from scratch starts from: its one-step sample is the condition
+    (``x0 = noise - v = condition``), so training learns a correction of the degraded latent instead of
+    the whole latent. Measured on the small restorer (300 steps each): from the seeded weights the restored
+    clip stayed 1.4 dB under bicubic; this start begins where the degraded latent decodes to.
+
+    Every block's video branches (attention and MLP output projections; shared with the text's in the
+    later blocks) start at zero, so each block is
+    the identity on video rows. The patch embedding writes ``noise - condition`` of each patch position
+    and channel on a hidden unit of its own, plus one constant unit (:data:`IDENTITY_CARRIER`) that keeps
+    the output head's RMS norm nearly the same on every token (the head is then nearly affine); the other
+    units keep their seeded weights for the blocks to read. The output projection is the least-squares
+    inverse of the head at the sampling timestep, fitted on seeded probe rows."""
+    from ..models.seedvr2.pipeline.condition import LATENT_CHANNELS
+
+    cfg = dit.cfg
+    positions = math.prod(cfg.patch_size)
+    units, c = positions * LATENT_CHANNELS, LATENT_CHANNELS
+    if cfg.vid_dim < units + 1 or cfg.vid_in_channels != 2 * c + 1:
+        raise ValueError(f"an identity start needs vid_dim >= {units + 1} and [noise | condition | mask] input; "
+                         f"{cfg.name} has vid_dim {cfg.vid_dim} and {cfg.vid_in_channels} input channels")
+    for name, p in dit.named_parameters():
+        if name.endswith(("attn.proj_out.vid.weight", "attn.proj_out.vid.bias", "mlp.vid.proj_out.weight",
+                          "attn.proj_out.all.weight", "attn.proj_out.all.bias", "mlp.all.proj_out.weight")):
+            p.zero_()  # (blocks whose video and text share projections: both streams' branches)
+    w, b = dit.vid_in.proj.weight, dit.vid_in.proj.bias
+    w[: units + 1].zero_()
+    b[: units + 1].zero_()
+    stride = cfg.vid_in_channels  # patch rows are (position, channel) with the channel fastest
+    for pos in range(positions):
+        for ch in range(c):
+            w[pos * c + ch, pos * stride + ch] = 1.0
+            w[pos * c + ch, pos * stride + c + ch] = -1.0
+    b[units] = IDENTITY_CARRIER
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(4096, positions, c, generator=g)
+    cond = torch.randn(4096, positions, c, generator=g)
+    rows = torch.cat([noise, cond, torch.ones(4096, positions, 1)], dim=-1).reshape(4096, -1).to(w.dtype)
+    t = torch.full((1,), float(SCHEDULE_T))
+    emb = dit.emb_in(t, w.dtype)[0]
+    head = dit.head.apply(dit, dit.vid_in.proj(rows), emb, cfg.norm_eps).double()
+    target = (noise - cond).reshape(4096, -1).double()
+    design = torch.cat([head, torch.ones(4096, 1, dtype=torch.float64)], dim=1)
+    solution = torch.linalg.lstsq(design, target).solution  # (dim + 1, out)
+    dit.vid_out.proj.weight.copy_(solution[:-1].T.to(w.dtype))
+    dit.vid_out.proj.bias.copy_(solution[-1].to(w.dtype))
+    return dit
 
 
 def check_vae_training(sp: int) -> None:
