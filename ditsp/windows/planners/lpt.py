@@ -14,6 +14,19 @@ from ..capacity import Shares
 VERSION = 1
 
 
+def _move(bins, load, counts, r: int, s: int, i: int, j: int) -> None:
+    """Move item ``i`` from bin ``r`` to bin ``s`` and, when ``j >= 0``, item ``j`` back from ``s`` to ``r``."""
+    bins[r].remove(i)
+    bins[s].append(i)
+    load[r] -= counts[i]
+    load[s] += counts[i]
+    if j >= 0:
+        bins[s].remove(j)
+        bins[r].append(j)
+        load[s] -= counts[j]
+        load[r] += counts[j]
+
+
 def lpt_assign(token_counts: Sequence[int], world_size: int) -> tuple[tuple[int, ...], ...]:
     """Longest-processing-time assignment, the seed's tie-breaking exactly.
 
@@ -57,15 +70,7 @@ def packed_assign(token_counts: Sequence[int], p: int, cap: int | None = None) -
         if best is None:
             break
         _, i, j, s = best
-        bins[r].remove(i)
-        bins[s].append(i)
-        load[r] -= counts[i]
-        load[s] += counts[i]
-        if j >= 0:
-            bins[s].remove(j)
-            bins[r].append(j)
-            load[s] -= counts[j]
-            load[r] += counts[j]
+        _move(bins, load, counts, r, s, i, j)
     return [sorted(b) for b in bins]
 
 
@@ -125,15 +130,7 @@ def packed_shares(token_counts: Sequence[int], shares: Shares, caps: Sequence[in
         if best is None:
             break
         _, i, j, s = best
-        bins[r].remove(i)
-        bins[s].append(i)
-        load[r] -= counts[i]
-        load[s] += counts[i]
-        if j >= 0:
-            bins[s].remove(j)
-            bins[r].append(j)
-            load[s] -= counts[j]
-            load[r] += counts[j]
+        _move(bins, load, counts, r, s, i, j)
     return [sorted(b) for b in bins]
 
 
