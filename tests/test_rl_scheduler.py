@@ -97,8 +97,10 @@ def test_a_worker_deaf_to_sigterm_is_killed_when_the_grace_is_over():
 
 
 def test_an_sp_group_that_loses_a_member_re_forms_and_finishes_the_work():
-    # groups of 2 and 1 (spot1 holds its unit until preempted); after the loss spot1's partner re-forms
-    q, ids, pool = _run(Toy(hold="spot1"), "0 join spot0\n0 join spot1\n0 join spot2\n2 leave spot1 0.5\n",
+    # Only spot0 and spot1 join at 0: the pool forms no group smaller than 2 while a worker is still starting,
+    # so they form one group of 2 whichever is ready first; spot2 joins at 1 (a group of 1, or spot0's partner
+    # later). spot1 holds its unit until preempted at 2, so its group holds a lease then; its partner re-forms.
+    q, ids, pool = _run(Toy(hold="spot1"), "0 join spot0\n0 join spot1\n1 join spot2\n2 leave spot1 0.5\n",
                         requests=8, group_size=2)
     _exactly_once(q, ids)
     forms = [e for e in pool.events if e["event"] == "form"]
