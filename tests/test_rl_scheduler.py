@@ -99,7 +99,8 @@ def test_a_worker_deaf_to_sigterm_is_killed_when_the_grace_is_over():
 def test_an_sp_group_that_loses_a_member_re_forms_and_finishes_the_work():
     # Only spot0 and spot1 join at 0: the pool forms no group smaller than 2 while a worker is still starting,
     # so they form one group of 2 whichever is ready first; spot2 joins at 1 (a group of 1, or spot0's partner
-    # later). spot1 holds its unit until preempted at 6 (seconds of margin for the pair to form and lease under load), so its group holds a lease then; its partner re-forms.
+    # later). spot1 holds its unit until preempted at 6 (seconds of margin for the pair to form and take a
+    # lease under load), so its group holds a lease then; its partner re-forms.
     q, ids, pool = _run(Toy(hold="spot1"), "0 join spot0\n0 join spot1\n1 join spot2\n6 leave spot1 0.5\n",
                         requests=8, group_size=2)
     _exactly_once(q, ids)
