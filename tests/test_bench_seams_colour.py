@@ -27,7 +27,9 @@ def test_a_small_clip_end_to_end(tmp_path, capsys):
     got = json.loads((tmp_path / "seams-colour.json").read_text())
     rows = got["clips"][0]["rows"]
     assert set(rows) == {"overlap 0", "cosine", "hann", "latent", "one window", "adain", "lab", "none"}
-    assert rows["one window"]["seams"] is None and len(rows["one window"]["per_frame_psnr"]) == 7
+    assert len(rows["one window"]["per_frame_psnr"]) == 7
+    assert len(rows["one window"]["seams"]["each"]) == len(got["clips"][0]["clean_seams"]["each"]) == 1
+    assert "(the clean original, at the cosine joins)" in text
     assert "PSNR per frame" in text
     assert rows["overlap 0"]["seams"]["each"] and rows["latent"]["frames_decoded"] < rows["cosine"]["frames_decoded"]
     assert rows["cosine"]["frames_decoded"] == 10  # two windows of 5 frames, each decoded whole

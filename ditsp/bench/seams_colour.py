@@ -11,8 +11,9 @@ Each clip is restored by the shipped small restorer (``--model tiny``), one devi
 * stitches (colour fix ``wavelet``): ``cosine``, ``hann``, ``latent``, and ``--overlap 0`` (the windows share
   only the frames the plan has left over, at most a window's step less one: the nearest to a hard cut the
   plan makes) as the reference of a join hardly blended, and the whole clip as one window (no join: what a
-  decode that never restarts gives). Per frame, the PSNR of each against the clean original (the ``.json``
-  and a line of the ``.md``): where in a window the quality lies. Per setting: the seam measure
+  decode that never restarts gives), the last two measured at the cosine plan's joins, as the clean original
+  is: what the clip's own motion gives there. Per frame, the PSNR of each against the clean original (the
+  ``.json`` and a line of the ``.md``): where in a window the quality lies. Per setting: the seam measure
   (``ditsp.models.seedvr2.pipeline.seams``: per join and overall, the mean frame-to-frame change across the
   join over the median inside windows), the VAE decode's seconds and the job's (the sum of its stages);
 * colour fixes (stitch ``cosine``): ``wavelet``, ``adain``, ``lab``, ``none``. Per setting: the colour drift of
@@ -140,10 +141,18 @@ def measure(name: str, inp: str, ref: str, folder: Path, args) -> dict:
                    "job": sum(rep["stage_s"].values())}
             times[row] = {k: min(v, times.get(row, {}).get(k, v)) for k, v in got.items()}
             print(f"{name}: round {r + 1}, {row} done", file=sys.stderr)
+    import torch
+
+    from ..models.seedvr2.pipeline.seams import seam_measure
+
     source, clean = quality.read_frames(inp), quality.read_frames(ref)
+    wins = reports["cosine"]["windows"]
+    spans = [(b[0], max(a[1], b[0]) + 1) for a, b in zip(wins, wins[1:])]  # the cosine plan's joins
     rows = {}
     for row, rep in reports.items():
         restored = quality.read_frames(rep["output"])
+        if row == "one window":  # no join of its own: the same measure at the cosine plan's joins
+            rep["seams"] = seam_measure(torch.from_numpy(restored), spans)
         q = quality.report(restored, source, clean)["restored"]["overall"]
         q["per_frame"] = [round(p, 2) for p, _ in quality.frame_scores(restored, clean[:restored.shape[0]])]
         rows[row] = {"seams": rep["seams"], "color_drift": rep["color_drift"], "psnr": q["psnr"], "ssim": q["ssim"],
@@ -153,6 +162,7 @@ def measure(name: str, inp: str, ref: str, folder: Path, args) -> dict:
     first = next(iter(reports.values()))
     return {"clip": name, "input": first["geometry"], "frames": first["frames_written"], "rows": rows,
             "clean_drift": clean_drift(inp, ref, tuple(first["output_size"])),
+            "clean_seams": seam_measure(torch.from_numpy(clean[:first["frames_written"]]), spans),
             "windows": reports["cosine"]["windows"], "latent_windows": reports["latent"]["windows"]}
 
 
@@ -177,9 +187,13 @@ def tables(clip: dict) -> list[str]:
         m = r["seams"] or {"ratio": None, "each": [], "inside_median": None}
         per = ", ".join(_r(s["ratio"]) for s in m["each"])
         s = r["seconds"]
-        out.append(f"| {row} | {_r(m['ratio'])} | {per} | {_r(m['inside_median'])} | {r['frames_decoded']} | "
+        label = "one window (at the cosine joins)" if row == "one window" else row
+        out.append(f"| {label} | {_r(m['ratio'])} | {per} | {_r(m['inside_median'])} | {r['frames_decoded']} | "
                    f"{s['decode']:.2f} | "
                    f"{s['job']:.2f} ({s['job'] / base['job']:.2f}) | {r['psnr']:.2f} dB / {r['ssim']:.4f} |")
+    m = clip["clean_seams"]
+    out.append(f"| (the clean original, at the cosine joins) | {_r(m['ratio'])} | "
+               f"{', '.join(_r(s['ratio']) for s in m['each'])} | {_r(m['inside_median'])} | | | | |")
     out += ["", "| colour fix | saturation | hue | lightness (L*) | per window saturation | colour fix s | "
                 "PSNR / SSIM |", "| --- | ---: | ---: | ---: | --- | ---: | --- |"]
     for row in COLOR_ROWS:
