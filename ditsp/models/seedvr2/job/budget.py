@@ -50,6 +50,28 @@ class Estimate:
                 f"{self.vae / GiB:.2f}{f' incl. cached conv filters {self.vae_filters / GiB:.2f}' if self.vae_filters else ''})")
 
 
+@dataclass(frozen=True)
+class _Window:
+    """The sizes of one window that every estimate reads."""
+
+    pixels: tuple[int, int, int]  # (T, H, W), T padded to the VAE's time factor
+    latent: tuple[int, int, int]  # (t, h, w)
+    tokens: int  # the DiT's tokens over the whole window
+    per_token: int  # DiT activation bytes per token: residual, normed input, q/k/v, attention out, two MLP hidden
+    latents: int  # latent, noise, x0, decoder input in fp32, and the DiT's 2c+1-channel input
+
+
+def _window(model: str, dtype: str, frames: int, out_hw: tuple[int, int]) -> _Window:
+    cfg, vcfg = dit_config(model), vae_config(model)
+    T = padded_length(frames, vcfg.temporal_factor)
+    H, W = out_hw
+    t, h, w = vcfg.latent_shape(T, H, W)
+    _, ph, pw = cfg.patch_size
+    c = vcfg.latent_channels
+    return _Window((T, H, W), (t, h, w), t * (h // ph) * (w // pw),
+                   (6 * cfg.vid_dim + 2 * cfg.mlp_hidden) * itemsize(dtype), int(t * h * w * (c * 4 + 2 * c + 1) * 4))
+
+
 def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: int, vae_mode: str = "auto",
              budget: int | None = None, vae_chunk: int = 1, weights: WeightBytes | None = None,
              winograd_filters: bool = False, vae_backend: str = "cuda") -> Estimate:
@@ -63,18 +85,11 @@ def estimate(model: str, dtype: str, frames: int, out_hw: tuple[int, int], sp: i
     activations and the latents, never against the whole budget (so more memory never turns a run that
     fits into a refusal)."""
 
-    cfg, vcfg = dit_config(model), vae_config(model)
-    e = itemsize(dtype)
-    T = padded_length(frames, vcfg.temporal_factor)
-    H, W = out_hw
-    t, h, w = vcfg.latent_shape(T, H, W)
-    _, ph, pw = cfg.patch_size
-    tokens = -(-t * (h // ph) * (w // pw) // sp)  # this rank's share (balanced plans)
-    hid = cfg.mlp_hidden
-    # Per layer: residual, normed input, q/k/v, attention out, two MLP hidden tensors; text is small.
-    dit_act = int(tokens * (6 * cfg.vid_dim + 2 * hid) * e)
-    c = vcfg.latent_channels  # latent, noise, x0, decoder input in fp32, and the DiT's 2c+1-channel input
-    latents = int(t * h * w * (c * 4 + 2 * c + 1) * 4)
+    cfg, vcfg, e = dit_config(model), vae_config(model), itemsize(dtype)
+    win = _window(model, dtype, frames, out_hw)
+    T, H, W = win.pixels
+    dit_act = int(-(-win.tokens // sp) * win.per_token)  # this rank's share (balanced plans)
+    latents = win.latents
     if weights is None:
         kept, buffer, fmt = cfg.param_count() * e, 0, ""
     else:
@@ -109,14 +124,9 @@ def rank_estimates(model: str, dtype: str, frames: int, out_hw: tuple[int, int],
         return (e,) * n, None
     cfg, vcfg = dit_config(model), vae_config(model)
     e = itemsize(dtype)
-    T = padded_length(frames, vcfg.temporal_factor)
-    H, W = out_hw
-    t, h, w = vcfg.latent_shape(T, H, W)
-    _, ph, pw = cfg.patch_size
-    tokens = t * (h // ph) * (w // pw)
-    per_token = (6 * cfg.vid_dim + 2 * cfg.mlp_hidden) * e  # as :func:`estimate`
-    c = vcfg.latent_channels
-    latents = int(t * h * w * (c * 4 + 2 * c + 1) * 4)
+    win = _window(model, dtype, frames, out_hw)
+    (T, H, W), (t, h, _) = win.pixels, win.latent
+    tokens, per_token, latents = win.tokens, win.per_token, win.latents
     kept, buffer, fmt = (cfg.param_count() * e, 0, "") if weights is None else (weights.kept, weights.buffer,
                                                                               weights.fmt)
     rows = proportional_split(h, caps.speed, minimum=1)  # the VAE's slabs (vae/layouts.py SlabLayout)
