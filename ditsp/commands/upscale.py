@@ -176,12 +176,19 @@ def _quality(args, summary: dict) -> dict:
     ``<plot>-reference.png`` (input, restored, clean original)."""
     from ..io import quality
 
+    from ..io.probe import probe
+
     restored, source = quality.read_frames(args.output), quality.read_frames(args.input)
     reference = quality.read_frames(args.reference)
-    q = quality.report(restored, source, reference, summary.get("windows"))
+    out = probe(args.output)
+    baseline = quality.bicubic(source[: len(restored)], restored.shape[1:3])
+    if out.kind == "video":  # both as delivered: the bicubic frames through the output's encoder too
+        baseline = quality.through_video(baseline, out.fps, args.crf)
+    q = quality.report(restored, source, reference, summary.get("windows"), baseline=baseline)
+    q["baseline"] = f"bicubic written as the output, H.264 crf {args.crf}" if out.kind == "video" else "bicubic"
     if args.plot:
         q["picture"] = str(Path(args.plot).with_name(Path(args.plot).stem + "-reference.png"))
-        quality.plot_compare(source, restored, reference, q["picture"], q)
+        quality.plot_compare(source, restored, reference, q["picture"], q, baseline=baseline)
     return q
 
 
