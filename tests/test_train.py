@@ -110,6 +110,15 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path):
         Trainer(small(tmp_path, steps=2, objective="vae", lr=0.5, resume=True)).run()
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_the_dit_loss_distance_is_the_one_asked_for(tmp_path):
+    mse = Trainer(small(tmp_path / "mse", steps=1)).run()["final_loss"]
+    l1 = Trainer(small(tmp_path / "l1", steps=1, dit_loss="l1")).run()["final_loss"]
+    assert math.isfinite(l1) and l1 != mse  # the same first step, scored by another distance
+    with pytest.raises(ValueError, match="unknown DiT loss 'huber'"):
+        TrainConfig(dit_loss="huber")
+
+
 def test_the_vae_refuses_to_train_under_sp():
     with pytest.raises(ValueError, match="one device"):
         TrainConfig(objective="vae", sp=2)

@@ -38,6 +38,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", choices=["tiny", "tiny-7b"])
     p.add_argument("--dit", metavar="SAFETENSORS", help="initial DiT weights (default: seeded)")
     p.add_argument("--vae", metavar="SAFETENSORS", help="VAE weights (frozen under --objective dit; default: seeded)")
+    p.add_argument("--dit-loss", default="mse", choices=["mse", "l1"],
+                   help="the DiT's x0 regression distance (l1 keeps edges a mean-squared fit blurs)")
     p.add_argument("--freeze", default="", metavar="PREFIXES", help="comma-separated DiT parameter-name prefixes to keep fixed")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each DiT block in the backward")
     p.add_argument("--checkpoint-every", type=positive_int, default=50)
@@ -65,7 +67,7 @@ def config_of(args):
     return TrainConfig(objective=args.objective, out=args.out, steps=args.steps, batch=args.batch, lr=args.lr,
                        weight_decay=args.weight_decay, clip=args.clip, bf16=args.bf16, seed=args.seed,
                        frames=args.frames, size=sizes[0] if len(sizes) == 1 else tuple(sizes), sp=args.sp, path=args.path, planner=args.planner,
-                       model=args.model, dit=args.dit, vae=args.vae,
+                       model=args.model, dit=args.dit, vae=args.vae, dit_loss=args.dit_loss,
                        freeze=tuple(s for s in args.freeze.split(",") if s),
                        activation_checkpointing=args.activation_checkpointing, compile=args.compile,
                        checkpoint_every=args.checkpoint_every, resume=args.resume,

@@ -32,7 +32,7 @@ from ..models.seedvr2.vae.model import VideoVAE
 from ..weights import is_quantized
 from . import checkpoint as ckpt
 from .data import ClipPairs
-from .objective import OBJECTIVES, check_vae_training, dit_loss, init_dit_as_identity, init_for_training, vae_loss
+from .objective import DIT_LOSSES, OBJECTIVES, check_vae_training, dit_loss, init_dit_as_identity, init_for_training, vae_loss
 from ..models.seedvr2.presets import MODELS, dit_config, vae_config
 from ..models.seedvr2.vae.fixtures import seeded_vae
 from ..models.seedvr2.vae.checkpoint import load_checkpoint as load_vae
@@ -61,6 +61,7 @@ class TrainConfig:
     dit: str | None = None  # initial DiT weights (safetensors); default: seeded
     vae: str | None = None  # initial VAE weights (safetensors); default: seeded
     freeze: tuple = ()  # DiT parameter-name prefixes kept fixed
+    dit_loss: str = "mse"  # the DiT objective's distance (objective.DIT_LOSSES)
     activation_checkpointing: bool = False
     # torch.compile of the DiT blocks and the VAE's GroupNorm+SiLU (ditsp.models.seedvr2.compiled); the DiT's
     # runtime then runs plain kernel calls (compiled kernels are not fixed-shape calls)
@@ -75,6 +76,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
             raise ValueError(f"unknown objective {self.objective!r}; choose from {', '.join(OBJECTIVES)}")
+        if self.dit_loss not in DIT_LOSSES:
+            raise ValueError(f"unknown DiT loss {self.dit_loss!r}; choose from {', '.join(DIT_LOSSES)}")
         if self.objective == "vae":
             check_vae_training(self.sp)
         for name in ("steps", "batch", "frames", "sp"):
@@ -198,7 +201,8 @@ class Trainer:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
             g = torch.Generator().manual_seed(self.cfg.seed * 7919 + step + 1)
             t, h, w = self.vae.cfg.latent_shape(self.cfg.frames, *size)
-            return dit_loss(self.dit, self.vae, self.text, degraded, clean, g, self.runtime((t, h, w))).float()
+            return dit_loss(self.dit, self.vae, self.text, degraded, clean, g, self.runtime((t, h, w)),
+                            self.cfg.dit_loss).float()
 
     def gradients(self, step: int) -> float:
         """Forward + backward of ``step``; partial gradients summed over the group. Returns the loss."""
