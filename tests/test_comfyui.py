@@ -150,7 +150,7 @@ def test_the_nodes_follow_comfyuis_contract(comfy):
     assert UpscaleSeedVR2.RETURN_TYPES == ("IMAGE",)
     assert up["model"] == ("SEEDVR2_DITSP",) and up["images"] == ("IMAGE",)
     assert set(up) == {"model", "images", "sp", *OPTIONS}
-    assert up["color_fix"][0] == list(request.COLOR_FIXES) and up["vae_mode"][0] == list(request.VAE_MODES)
+    assert up["color_fix"][0] == list(request.COLOR_FIX_CHOICES) and up["vae_mode"][0] == list(request.VAE_MODES)
     for name in ("seed", "color_fix", "window_frames", "overlap", "sp", "vae_mode", "deterministic", "force"):
         assert up[name][1]["default"] == request.default(name), name
     # the node's function takes exactly its inputs

@@ -38,7 +38,7 @@ def _choices(parser: argparse.ArgumentParser) -> dict:
 
 def test_the_cli_offers_exactly_the_request_lists():
     p = upscale_cmd.add_parser(argparse.ArgumentParser().add_subparsers())
-    assert _choices(p) == {"model": request.MODELS, "color_fix": request.COLOR_FIXES, "vae_mode": request.VAE_MODES,
+    assert _choices(p) == {"model": request.MODELS, "color_fix": request.COLOR_FIX_CHOICES, "vae_mode": request.VAE_MODES,
                            "stitch": request.STITCHES,
                            "dtype": request.DTYPE_NAMES, "weights_dtype": request.WEIGHTS_DTYPES,
                            "planner": request.PLANNERS, "weights_read": request.WEIGHTS_READS}
@@ -50,7 +50,7 @@ def test_the_server_offers_exactly_the_request_lists():
     assert OPTIONS is request.HTTP_OPTIONS
     assert OPTIONS["format"][1] == request.OUTPUT_FORMATS and "mkv" in OPTIONS["format"][1]
     assert OPTIONS["vae_mode"][1] == request.VAE_MODES and OPTIONS["planner"][1] == request.PLANNERS
-    assert OPTIONS["stitch"][1] == request.STITCHES and OPTIONS["color_fix"][1] == request.COLOR_FIXES
+    assert OPTIONS["stitch"][1] == request.STITCHES and OPTIONS["color_fix"][1] == request.COLOR_FIX_CHOICES
 
 
 def test_http_options_are_typed_and_named():
@@ -97,6 +97,19 @@ def test_server_job_options_check_like_the_cli(clip, tmp_path):
     with pytest.raises(ValueError, match="needs an output ending in"):
         request.check(request.Options(input=clip, output=str(tmp_path / "r.png"), model="tiny-8x",
                                       random_weights=True))
+
+
+def test_the_colour_fix_defaults_to_the_model_s_own(clip, tmp_path):
+    """`--color-fix model` (the default) runs the preset's fix: none for the small restorer (its VAE is
+    lossless), wavelet for the released ones; a named fix is run as asked."""
+    assert request.default("color_fix") == "model" and presets.model("tiny").color_fix == "none"
+    assert presets.model("seedvr2-3b").color_fix == "wavelet"
+    for model, asked, runs in (("tiny", "model", "none"), ("tiny-8x", "model", "wavelet"), ("tiny", "lab", "lab")):
+        o = request.Options(input=clip, output=str(tmp_path / "r.mp4"), model=model, random_weights=True,
+                            color_fix=asked)
+        assert request.check(o).req.color_fix == runs
+    with pytest.raises(ValueError, match="--color-fix"):
+        request.check(request.Options(input=clip, output=str(tmp_path / "r.mp4"), color_fix="sepia"))
 
 
 def test_weights_read_travels_from_the_flag_to_the_weights_spec():

@@ -115,6 +115,8 @@ def test_the_dit_loss_distance_is_the_one_asked_for(tmp_path):
     mse = Trainer(small(tmp_path / "mse", steps=1)).run()["final_loss"]
     l1 = Trainer(small(tmp_path / "l1", steps=1, dit_loss="l1")).run()["final_loss"]
     assert math.isfinite(l1) and l1 != mse  # the same first step, scored by another distance
+    both = Trainer(small(tmp_path / "l1-ssim", steps=1, dit_loss="l1-ssim", size=(64, 64))).run()["final_loss"]
+    assert math.isfinite(both) and both > 0
     with pytest.raises(ValueError, match="unknown DiT loss 'huber'"):
         TrainConfig(dit_loss="huber")
 
@@ -173,3 +175,17 @@ def test_an_identity_start_refuses_a_model_too_narrow_to_carry_the_latent():
     narrow = dataclasses.replace(dit_config("tiny"), vid_dim=48, heads=2, head_dim=24, rope_dim=24)
     with pytest.raises(ValueError, match="needs vid_dim >= 65"):
         init_dit_as_identity(NaDiT(narrow))
+
+
+def test_the_training_ssim_is_the_quality_metric_s():
+    from ditsp.train.objective import latent_ssim, ssim
+
+    g = np.random.default_rng(0)
+    a = (g.random((40, 56, 3)) * 255).astype(np.uint8)
+    b = np.clip(a.astype(int) + g.integers(-30, 30, a.shape), 0, 255).astype(np.uint8)
+    as_tensor = lambda f: torch.from_numpy(f).permute(2, 0, 1)[None].double() / 255  # noqa: E731
+    assert ssim(as_tensor(a), as_tensor(b)).item() == pytest.approx(quality.ssim(a, b), abs=1e-9)
+    z = torch.randn(3, 16, 16, 16)
+    z[..., 12:] = 0  # channels the VAE leaves empty are not scored (their SSIM would be 1 whatever x0 holds)
+    assert latent_ssim(z, z).item() == pytest.approx(1.0)
+    assert latent_ssim(z + 0.1 * torch.randn(z.shape), z).item() < 0.99

@@ -38,8 +38,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", choices=["tiny", "tiny-7b"])
     p.add_argument("--dit", metavar="SAFETENSORS", help="initial DiT weights (default: seeded)")
     p.add_argument("--vae", metavar="SAFETENSORS", help="VAE weights (frozen under --objective dit; default: seeded)")
-    p.add_argument("--dit-loss", default="mse", choices=["mse", "l1"],
-                   help="the DiT's x0 regression distance (l1 keeps edges a mean-squared fit blurs)")
+    p.add_argument("--dit-loss", default="mse", choices=["mse", "l1", "l1-ssim"],
+                   help="the DiT's x0 regression distance (l1-ssim: L1 plus 1 - SSIM over the latent channels)")
     p.add_argument("--freeze", default="", metavar="PREFIXES", help="comma-separated DiT parameter-name prefixes to keep fixed")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each DiT block in the backward")
     p.add_argument("--checkpoint-every", type=positive_int, default=50)

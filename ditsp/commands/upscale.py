@@ -50,7 +50,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                       help="target area = (scale x width) x (scale x height) (default: the model's; 2 for tiny)")
     size.add_argument("--size", metavar="WxH", help="exact output size (then cropped to the model's multiple)")
     p.add_argument("--seed", type=int, default=_d("seed"))
-    p.add_argument("--color-fix", default=_d("color_fix"), choices=request.COLOR_FIXES)
+    p.add_argument("--color-fix", default=_d("color_fix"), choices=request.COLOR_FIX_CHOICES,
+                   help="colour correction against the input (default: the model's own: wavelet, none for tiny)")
     p.add_argument("--window-frames", type=int, default=_d("window_frames"),
                    help="temporal window in frames (kn+1, k the VAE's time factor: 4 for the released models, "
                         "1 for tiny); 0 = the whole clip in one window")

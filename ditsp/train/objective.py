@@ -112,15 +112,47 @@ def latents(vae: VideoVAE, degraded: torch.Tensor, clean: torch.Tensor, g: torch
     return VideoVAE.channels_last(cond).float(), VideoVAE.channels_last(target).float()
 
 
-DIT_LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss}  # the x0 regression's distance (``ditsp train --dit-loss``)
+SSIM_WINDOW = 7  # the quality metric's window (ditsp/io/quality.py: scikit-image's default, uniform)
+
+
+def ssim(x: torch.Tensor, y: torch.Tensor, data_range: float = 1.0) -> torch.Tensor:
+    """Mean SSIM of (N, C, H, W) images, as the quality metric computes it: a uniform 7 x 7 window over
+    valid positions, sample covariances, K1 = 0.01 and K2 = 0.03 of ``data_range``; differentiable."""
+    pool = lambda a: F.avg_pool2d(a, SSIM_WINDOW, stride=1)  # noqa: E731
+    n = SSIM_WINDOW ** 2
+    mx, my = pool(x), pool(y)
+    vx, vy = (pool(x * x) - mx * mx) * n / (n - 1), (pool(y * y) - my * my) * n / (n - 1)
+    cxy = (pool(x * y) - mx * my) * n / (n - 1)
+    c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
+    s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
+    return s.mean()
+
+
+def latent_ssim(x0: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """SSIM of each latent channel's (h, w) image of every frame, x0 against the target ``z`` (both
+    (t, h, w, C)), the data range the target's. The small restorer's latent channels are the frame's
+    2 x 2 pixel sub-grids (ditsp/train/vae_start.py), so this is the frame's SSIM at half resolution,
+    for no decode; the windows must fit the latent (h, w >= 7)."""
+    a, b = x0.permute(0, 3, 1, 2), z.permute(0, 3, 1, 2)  # (t, C, h, w)
+    live = b.flatten(2).std(-1).amax(0) > 0  # channels the VAE leaves at zero carry no structure
+    span = (b.amax() - b.amin()).clamp_min(1e-6).detach()
+    return ssim(a[:, live], b[:, live], float(span))
+
+
+# the x0 regression's distance (``ditsp train --dit-loss``): (x0, target), both (t, h, w, C) -> loss
+DIT_LOSSES = {
+    "mse": F.mse_loss,
+    "l1": F.l1_loss,
+    "l1-ssim": lambda x0, z: F.l1_loss(x0, z) + 1 - latent_ssim(x0, z),
+}
 
 
 def dit_loss(dit, vae: VideoVAE, text: torch.Tensor, degraded: torch.Tensor, clean: torch.Tensor,
              g: torch.Generator, runtime, distance: str = "mse") -> torch.Tensor:
     """Mean over the batch of the one-step x0 regression; ``runtime``: the DiT's (the SP group's, or
     :func:`~ditsp.models.seedvr2.parallelize.single_runtime`'s on one device); ``distance``: a key of
-    :data:`DIT_LOSSES` (L1 keeps edges a mean-squared fit blurs: a restorer trained on it measured
-    higher SSIM)."""
+    :data:`DIT_LOSSES` (``l1-ssim`` adds SSIM over the latent channels: a mean-squared fit bought
+    PSNR with faint patterned error in flat regions, which SSIM counts)."""
     cond, target = latents(vae, degraded, clean, g)
     losses = []
     for c, z in zip(cond, target):

@@ -118,7 +118,8 @@ class UpscaleSeedVR2:
             "resolution": ("STRING", {"default": "", "tooltip": "WxH: the output's area, aspect kept"}),
             "size": ("STRING", {"default": "", "tooltip": "WxH: the exact output size"}),
             "seed": ("INT", {"default": _d("seed"), "min": 0, "max": 2**62}),
-            "color_fix": (list(request.COLOR_FIXES), {"default": _d("color_fix")}),
+            "color_fix": (list(request.COLOR_FIX_CHOICES), {"default": _d("color_fix"), "tooltip":
+                          "colour correction against the input (model: the model's own)"}),
             "window_frames": ("INT", {"default": _d("window_frames"), "min": 0, "max": 100000, "tooltip":
                               "frames per temporal window (kn+1); 0: the whole clip in one window"}),
             "overlap": ("INT", {"default": _d("overlap"), "min": 0, "max": 100000,

@@ -29,6 +29,9 @@ from ....weights.fp8 import WEIGHTS_DTYPES
 from ....weights.shared import READS as WEIGHTS_READS
 from ....windows.planners import PLANNERS as _PLANNER_TABLE
 from ..pipeline.color_fix import METHODS as COLOR_FIXES
+
+MODEL_COLOR_FIX = "model"  # --color-fix's default: the model's own (presets.Model.color_fix)
+COLOR_FIX_CHOICES = (MODEL_COLOR_FIX,) + tuple(COLOR_FIXES)
 from ..pipeline.windows import STITCHES
 from ..vae.modes import AUTO
 from ..vae.modes import CHOICES as VAE_MODES
@@ -44,7 +47,7 @@ from ....distributed.torchrun import under_torchrun
 from .weight_memory import dit_weights
 from . import plan as restoration_plan
 
-__all__ = ["COLOR_FIXES", "DTYPE_NAMES", "HTTP_OPTIONS", "MODELS", "OUTPUT_FORMATS", "PLANNERS", "STITCHES", "VAE_MODES",
+__all__ = ["COLOR_FIXES", "COLOR_FIX_CHOICES", "DTYPE_NAMES", "HTTP_OPTIONS", "MODELS", "OUTPUT_FORMATS", "PLANNERS", "STITCHES", "VAE_MODES",
            "WEIGHTS_DTYPES", "WEIGHTS_READS", "Checked", "Options", "UpscaleRequest", "check", "check_memory", "default",
            "capacities", "frames_info", "from_args", "from_http", "parse_http_options", "prepare"]
 
@@ -114,7 +117,7 @@ class Options:
     scale: float | None = None
     size: str | None = None
     seed: int = 666
-    color_fix: str = "wavelet"
+    color_fix: str = MODEL_COLOR_FIX  # a key of pipeline/color_fix.py, or the model's own
     window_frames: int = 0
     overlap: int = 4
     stitch: str = STITCHES[0]  # how consecutive windows are joined (pipeline/windows.py)
@@ -154,7 +157,7 @@ def from_args(args) -> Options:
 # HTTP option -> (type, allowed values or None); everything else is refused
 HTTP_OPTIONS = {
     "resolution": (str, None), "scale": (float, None), "size": (str, None), "seed": (int, None),
-    "color_fix": (str, COLOR_FIXES), "window_frames": (int, None), "overlap": (int, None), "stitch": (str, STITCHES),
+    "color_fix": (str, COLOR_FIX_CHOICES), "window_frames": (int, None), "overlap": (int, None), "stitch": (str, STITCHES),
     "vae_mode": (str, VAE_MODES), "vae_chunk": (int, None), "planner": (str, PLANNERS), "crf": (int, None),
     "fps": (float, None), "format": (str, OUTPUT_FORMATS),
 }
@@ -301,7 +304,7 @@ def check(o: Options, in_memory: torch.Tensor | None = None) -> Checked:
 
         check_policy(o.deterministic)
     _choice("--model", o.model, MODELS)
-    _choice("--color-fix", o.color_fix, COLOR_FIXES)
+    _choice("--color-fix", o.color_fix, COLOR_FIX_CHOICES)
     _choice("--stitch", o.stitch, STITCHES)
     _choice("--vae-mode", o.vae_mode, VAE_MODES)
     if o.planner is not None:
@@ -336,7 +339,8 @@ def check(o: Options, in_memory: torch.Tensor | None = None) -> Checked:
         capacities=capacities(o), weights=kept,
         winograd_filters=counts_winograd(device, o.deterministic), vae_backend=backend_of(device, o.deterministic))
     req = UpscaleRequest(
-        input=o.input, output=o.output, plan=plan, weights=weights, color_fix=o.color_fix, crf=o.crf, fps=o.fps,
+        input=o.input, output=o.output, plan=plan, weights=weights,
+        color_fix=model_of(o.model).color_fix if o.color_fix == MODEL_COLOR_FIX else o.color_fix, crf=o.crf, fps=o.fps,
         overwrite=o.overwrite, progress=o.progress, sample_frames=o.sample_frames, compile=o.compile,
         frames=in_memory,
     )
