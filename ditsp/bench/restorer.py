@@ -131,8 +131,9 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 print(f"{name}: SP={sp} done", file=sys.stderr)
             q = reports[2]["quality"]
             r, b = q["restored"]["overall"], q["bicubic"]["overall"]
-            raw = quality.report(quality.read_frames(str(folder / "restored-sp2.mp4")), quality.read_frames(inp),
-                                 quality.read_frames(ref))["bicubic"]["overall"]  # not through the encoder
+            t, clean = reports[2]["frames_written"], quality.read_frames(ref)
+            raw = quality.summarize(quality.frame_scores(quality.bicubic(quality.read_frames(inp)[:t], clean.shape[1:3]),
+                                                         clean[:t]), [])["overall"]  # not through the encoder
             rows.append({"clip": name, "source": args.video if image is None else image,
                          "input": reports[2]["geometry"], "frames": reports[2]["frames_written"],
                          "restored_psnr": r["psnr"], "restored_ssim": r["ssim"],

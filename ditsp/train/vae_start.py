@@ -87,7 +87,7 @@ def _place(conv, pos, neg, const, source) -> None:
         conv.bias[plus], conv.bias[minus] = CONSTANT, -CONSTANT
 
 
-def _out_norm(norm, pos, neg, const) -> None:
+def _out_norm(norm, const) -> None:
     """The output norm undoes the constants' spread on signal channels and shifts every used group."""
     norm.weight.fill_(1.0)
     norm.bias.zero_()
@@ -134,7 +134,7 @@ def init_vae_lossless(vae: VideoVAE) -> VideoVAE:
                 down.weight[c * BLOCK + 2 * i + j, c, 0, i, j] = 1.0
     pos, neg, const = _norm_layout(cfg.widths[1], cfg.groups, need)
     _place(enc.down_blocks[1].resnets[0].conv_shortcut, pos, neg, const, signal)
-    _out_norm(enc.conv_norm_out, pos, neg, const)
+    _out_norm(enc.conv_norm_out, const)
     _read(enc.conv_out, pos, neg, LATENT_SCALE)
 
     # decoder: latent back to the 12 channels, depth-to-space, lay out for the output norm, read RGB
@@ -143,8 +143,7 @@ def init_vae_lossless(vae: VideoVAE) -> VideoVAE:
         _centre(dec.conv_in)[k, k] = 1.0 / LATENT_SCALE
     up = dec.up_blocks[0].upsamplers[0]
     width = cfg.widths[1]
-    up.upscale_conv.weight.zero_()
-    up.upscale_conv.bias.zero_()
+    _clear(up.upscale_conv)
     for c in range(RGB):
         for p in range(BLOCK):  # depth-to-space reads input channel p * width + c at position p
             up.upscale_conv.weight[p * width + c, c * BLOCK + p, 0, 0, 0] = 1.0
@@ -153,7 +152,7 @@ def init_vae_lossless(vae: VideoVAE) -> VideoVAE:
         _centre(up.conv)[c, c] = 1.0
     pos, neg, const = _norm_layout(cfg.widths[0], cfg.groups, RGB)
     _place(dec.up_blocks[1].resnets[0].conv_shortcut, pos, neg, const, list(range(RGB)))
-    _out_norm(dec.conv_norm_out, pos, neg, const)
+    _out_norm(dec.conv_norm_out, const)
     _read(dec.conv_out, pos, neg, 1.0)
     return pin_posterior_std(vae)
 

@@ -32,7 +32,7 @@ class Model:
     offered: bool = True  # listed by front doors (False: kept for old scripts and tests)
     # the colour fix when none is asked for (pipeline/color_fix.py): the released models' lossy VAE drifts in
     # colour; the small restorer's VAE is lossless, and the wavelet fix put the input's low frequencies (a
-    # compressed video's blocks) back over its corrections: 0.04 dB under bicubic on the real video, 0.02 above
+    # compressed video's blocks) back over its corrections: 0.01 dB under bicubic on the real video, 0.03 above
     # without (docs/performance.md)
     color_fix: str = "wavelet"
 
